@@ -1,0 +1,197 @@
+"""Tiny DeepSeek-V4 checkpoints for tests and examples: random, seeded, laid out like the real release.
+
+`make_tiny` writes config.json + sharded safetensors + model.safetensors.index.json, including the
+`mtp.0.*` draft layer, optionally quantized as the official release is (FP8 e4m3 with 128x128 e8m0 block
+scales; MXFP4 routed experts with one e8m0 scale per 32 inputs). `names="hf"` writes the layout that
+transformers' `save_pretrained` writes (and `DeepseekV4ForCausalLM.from_pretrained` loads).
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from v4engine.runtime.config import V4Config
+from v4engine.runtime.errors import ConfigError
+
+from .checkpoint import quantize_fp8_block, quantize_mxfp4
+from .model import Transformer
+
+_YARN = {"type": "yarn", "factor": 16, "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1}
+_COMMON: dict[str, Any] = {
+    "model_type": "deepseek_v4", "architectures": ["DeepseekV4ForCausalLM"], "bos_token_id": 0, "eos_token_id": 1,
+    "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "rms_norm_eps": 1e-6, "num_key_value_heads": 1,
+    "scoring_func": "sqrtsoftplus", "topk_method": "noaux_tc", "norm_topk_prob": True, "routed_scaling_factor": 1.5,
+    "swiglu_limit": 10.0, "n_shared_experts": 1, "num_nextn_predict_layers": 1, "rope_theta": 10000.0,
+    "compress_rope_theta": 160000.0, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+    "hidden_act": "silu", "torch_dtype": "float32",
+}
+
+# Official-form configs. Together they cover every layer kind, hash and scored MoE, o_groups that split a
+# head in two, windows shorter than the test sequences, and more compressed rows than index_topk.
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    "mixed": {**_COMMON, "vocab_size": 128, "hidden_size": 64, "moe_intermediate_size": 32, "num_hidden_layers": 4,
+              "num_attention_heads": 4, "head_dim": 32, "qk_rope_head_dim": 16, "q_lora_rank": 48, "o_groups": 2,
+              "o_lora_rank": 24, "sliding_window": 8, "compress_ratios": [0, 4, 8, 4, 0], "compress_rate_csa": 4,
+              "compress_rate_hca": 8, "num_hash_layers": 2, "n_routed_experts": 4, "num_experts_per_tok": 2,
+              "index_n_heads": 2, "index_head_dim": 16, "index_topk": 3, "rope_scaling": _YARN},
+    "split_groups": {**_COMMON, "vocab_size": 96, "hidden_size": 64, "moe_intermediate_size": 32,
+                     "num_hidden_layers": 2, "num_attention_heads": 2, "head_dim": 32, "qk_rope_head_dim": 8,
+                     "q_lora_rank": 32, "o_groups": 4, "o_lora_rank": 16, "sliding_window": 16,
+                     "compress_ratios": [16, 4, 0], "compress_rate_csa": 4, "compress_rate_hca": 16,
+                     "num_hash_layers": 1, "n_routed_experts": 3, "num_experts_per_tok": 2, "index_n_heads": 3,
+                     "index_head_dim": 16, "index_topk": 2},
+    "flash_like": {**_COMMON, "vocab_size": 256, "hidden_size": 64, "moe_intermediate_size": 32,
+                   "num_hidden_layers": 4, "num_attention_heads": 4, "head_dim": 64, "qk_rope_head_dim": 16,
+                   "q_lora_rank": 64, "o_groups": 8, "o_lora_rank": 16, "sliding_window": 16,
+                   "compress_ratios": [0, 0, 4, 32, 0], "compress_rate_csa": 4, "compress_rate_hca": 32,
+                   "num_hash_layers": 3, "n_routed_experts": 8, "num_experts_per_tok": 3, "index_n_heads": 4,
+                   "index_head_dim": 32, "index_topk": 4, "rope_scaling": _YARN},
+}
+
+FP8_WEIGHTS = re.compile(r"\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|ffn\.shared_experts\.w[123]|"
+                         r"e_proj|h_proj)\.weight$")
+ROUTED_EXPERT = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
+FLOAT32_ALWAYS = re.compile(r"(hc_\w+|attn_sink|\.ape|gate\.bias)$")
+
+
+def random_model(cfg: V4Config, seed: int) -> Transformer:
+    """Seeded weights of a plausible scale: unit-variance activations, routers that disagree, live sinks."""
+    gen = torch.Generator().manual_seed(seed)
+    model = Transformer(cfg, mtp=True)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
+            elif p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
+            else:
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+        for name, buf in model.named_buffers():
+            if name.endswith("tid2eid"):
+                rows = [torch.randperm(cfg.n_routed_experts, generator=gen)[: cfg.num_experts_per_tok]
+                        for _ in range(cfg.vocab_size)]
+                buf.copy_(torch.stack(rows))
+    return model
+
+
+def official_to_hf_name(name: str) -> str:
+    """The name transformers' save_pretrained gives an official tensor (mtp.0.* is kept as is)."""
+    if name.startswith("mtp."):
+        return name
+    if name == "embed.weight":
+        return "model.embed_tokens.weight"
+    if name.startswith("hc_head_"):
+        return "model.hc_head.hc_" + name[len("hc_head_"):]
+    if name == "head.weight":
+        return name
+    name = re.sub(r"\.attn\.kv_norm\.weight$", ".attn.norm.weight", name)
+    return "model." + name
+
+
+def hf_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """The transformers form of an official-form config (what save_pretrained writes)."""
+    cfg = V4Config.from_dict(raw)
+    out = {k: v for k, v in raw.items() if k not in ("compress_ratios", "num_hash_layers", "rope_scaling",
+                                                     "compress_rate_csa", "compress_rate_hca", "topk_method")}
+    out.update(layer_types=list(cfg.layer_types), mlp_layer_types=list(cfg.mlp_layer_types),
+               compress_rates=dict(cfg.compress_rates), dtype=raw.get("torch_dtype", "float32"))
+    factor = cfg.qk_rope_head_dim / cfg.head_dim
+    compress = {"rope_type": "default", "rope_theta": cfg.compress_rope_theta, "partial_rotary_factor": factor}
+    if "rope_scaling" in raw:
+        compress.update({k: v for k, v in raw["rope_scaling"].items() if k != "type"}, rope_type="yarn",
+                        attention_factor=1.0)
+    out.update(partial_rotary_factor=factor, rope_parameters={
+        "main": {"rope_type": "default", "rope_theta": cfg.rope_theta, "partial_rotary_factor": factor},
+        "compress": compress})
+    return out
+
+
+def _tensors(model: Transformer, dtype: torch.dtype, quantize: str | None, scale_suffix: str
+             ) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for name, value in model.state_dict().items():
+        value = value.detach().contiguous()
+        if value.dtype == torch.int64 or FLOAT32_ALWAYS.search(name):
+            out[name] = value
+        elif quantize == "mxfp4" and ROUTED_EXPERT.search(name):
+            packed, scale = quantize_mxfp4(value)
+            out[name], out[name[: -len("weight")] + "scale"] = packed, scale
+        elif quantize and (FP8_WEIGHTS.search(name) or ROUTED_EXPERT.search(name)):
+            q, scale = quantize_fp8_block(value)
+            out[name] = q
+            prefix = name[: -len("weight")]
+            if scale_suffix == "scale":
+                out[prefix + "scale"] = scale
+            else:  # transformers' fp8 naming: a float32 multiplier
+                out[prefix + "weight_scale_inv"] = torch.exp2(scale.view(torch.uint8).float() - 127)
+        else:
+            out[name] = value.to(dtype)
+    return out
+
+
+def make_tiny(out: str | Path, config: str = "mixed", seed: int = 0, quantize: str | None = None,
+              names: str = "official", dtype: str = "float32", shards: int = 2, mtp: bool = True) -> Path:
+    """Write a tiny checkpoint folder; returns its path. Built in a temporary folder, renamed at the end."""
+    if config not in TINY_CONFIGS:
+        raise ConfigError(f"unknown tiny config {config!r}; choose one of {sorted(TINY_CONFIGS)}")
+    raw = dict(TINY_CONFIGS[config], torch_dtype=dtype)
+    cfg = V4Config.from_dict(raw, source=f"tiny config {config}")
+    model = random_model(cfg, seed)
+    tensors = _tensors(model, getattr(torch, dtype), quantize, "scale" if names == "official" else "weight_scale_inv")
+    if not mtp:
+        tensors = {k: v for k, v in tensors.items() if not k.startswith("mtp.")}
+    if names == "hf":
+        tensors = {official_to_hf_name(k): v for k, v in tensors.items()}
+        raw = hf_config(raw)
+    if quantize:
+        raw["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                                      "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+        raw["expert_dtype"] = "fp4" if quantize == "mxfp4" else "fp8"
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        groups = _shard_groups(list(tensors), shards)
+        weight_map, total = {}, 0
+        for i, group in enumerate(groups):
+            fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+            save_file({k: tensors[k] for k in group}, str(tmp / fname), metadata={"format": "pt"})
+            for k in group:
+                weight_map[k] = fname
+                total += tensors[k].numel() * tensors[k].element_size()
+        (tmp / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        (tmp / "config.json").write_text(json.dumps(raw, indent=2))
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return out
+
+
+def _shard_groups(names: list[str], shards: int) -> list[list[str]]:
+    """Target tensors spread over shards-1 files (all of them if shards == 1); mtp.0.* in the last, as released."""
+    target = [n for n in names if not n.startswith("mtp.")]
+    draft = [n for n in names if n.startswith("mtp.")]
+    n = max(1, shards - 1) if draft and shards > 1 else max(1, shards)
+    per = -(-len(target) // n)
+    groups = [target[i * per:(i + 1) * per] for i in range(n)]
+    if draft:
+        if shards > 1:
+            groups.append(draft)
+        else:
+            groups[-1] += draft
+    return [g for g in groups if g]
+
+
+__all__ = ["TINY_CONFIGS", "make_tiny", "random_model", "official_to_hf_name", "hf_config"]

@@ -1,0 +1,5 @@
+"""v4engine.runtime: loads an engine directory and generates (numpy + onnxruntime, never torch)."""
+from .config import V4Config
+from .errors import ConfigError, V4EngineError
+
+__all__ = ["V4Config", "ConfigError", "V4EngineError"]

@@ -6,72 +6,152 @@ the lightning indexer picked. K = V (MQA, one head shared by all query heads). T
 logit per head that appears only in the softmax denominator.
 
 Shapes: q [B,S,H,d]; q_pos [B,S]; kv [B,T,d] window keys with kv_pos [B,T] (-1 = empty slot);
-rows [B,R,d] compressed rows with row_ids [B,R] (window index, -1 = empty slot).
+rows [B,R,d] compressed rows with row_ids [B,R] (window index, -1 = empty slot); topk_idx [B,S,k].
 """
 from __future__ import annotations
 
 import torch
+from onnxscript import BOOL, FLOAT, INT64, script
 
-NEG_INF = float("-inf")
+from .common import NEG_INF, V4, exporting, op, symbolic
 
 
-def window_bias(q_pos: torch.Tensor, kv_pos: torch.Tensor, window: int) -> torch.Tensor:
-    """[B,S,T] additive mask: key p is visible to query t iff t - window < p <= t (and p >= 0)."""
+# --------------------------------------------------------------------------- PyTorch reference
+def window_visible(q_pos: torch.Tensor, kv_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """[B,S,T]: key at position p is visible to the query at t iff t - window < p <= t and p >= 0."""
     t = q_pos.unsqueeze(-1)
     p = kv_pos.unsqueeze(-2)
-    visible = (p <= t) & (p > t - window) & (p >= 0)
-    return torch.zeros(visible.shape, dtype=torch.float32, device=q_pos.device).masked_fill(~visible, NEG_INF)
+    return (p <= t) & (p > t - window) & (p >= 0)
 
 
-def attend_with_sink(q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor, sink: torch.Tensor,
+def attend_with_sink(q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, sink: torch.Tensor,
                      scale: float) -> torch.Tensor:
-    """softmax([q.k * scale + bias, sink]) @ keys, the sink column dropped. keys: [B,S|1,T,d]; bias [B,S,T]."""
-    qf = q.float()
-    kf = keys.float()
-    if kf.dim() == 3:  # keys shared by every query of the row
-        logits = torch.einsum("bshd,btd->bsht", qf, kf)
-    else:  # keys chosen per query
-        logits = torch.einsum("bshd,bstd->bsht", qf, kf)
-    logits = logits * scale + bias.unsqueeze(2)
-    sinks = sink.float().view(1, 1, -1, 1).expand(logits.shape[0], logits.shape[1], -1, 1)
+    """softmax over [q.k * scale (visible keys only), sink] times keys, sink column dropped.
+
+    keys: [B,1,T,d] (shared by every query of a row) or [B,S,T,d] (chosen per query); visible [B,S,T].
+    """
+    qf, kf = q.float(), keys.float()
+    logits = torch.matmul(qf, kf.transpose(-1, -2)) * scale                      # [B,S,H,T]
+    logits = logits.masked_fill(~visible.unsqueeze(2), NEG_INF)
+    sinks = sink.float().view(1, 1, -1, 1).expand(*logits.shape[:3], 1)
     combined = torch.cat([logits, sinks], dim=-1)
     combined = combined - combined.max(dim=-1, keepdim=True).values
     probs = torch.softmax(combined, dim=-1)[..., :-1]
-    if kf.dim() == 3:
-        out = torch.einsum("bsht,btd->bshd", probs, kf)
-    else:
-        out = torch.einsum("bsht,bstd->bshd", probs, kf)
-    return out.to(q.dtype)
+    return torch.matmul(probs, kf).to(q.dtype)
 
 
+def rows_visible(q_pos: torch.Tensor, row_ids: torch.Tensor, ratio: int) -> torch.Tensor:
+    """[B,S,R]: compressed row w is visible to the query at t iff 0 <= w < (t+1) // ratio."""
+    limit = torch.div(q_pos + 1, ratio, rounding_mode="floor").unsqueeze(-1)
+    ids = row_ids.unsqueeze(-2)
+    return (ids >= 0) & (ids < limit)
+
+
+def _sliding_reference(q, q_pos, kv, kv_pos, sink, window, scale):
+    return attend_with_sink(q, kv.unsqueeze(1), window_visible(q_pos, kv_pos, window), sink, scale)
+
+
+def _hca_reference(q, q_pos, kv, kv_pos, rows, row_ids, sink, window, ratio, scale):
+    keys = torch.cat([kv, rows], dim=1).unsqueeze(1)
+    visible = torch.cat([window_visible(q_pos, kv_pos, window), rows_visible(q_pos, row_ids, ratio)], dim=-1)
+    return attend_with_sink(q, keys, visible, sink, scale)
+
+
+def _csa_reference(q, q_pos, kv, kv_pos, rows, topk_idx, sink, window, scale):
+    B, S, k = topk_idx.shape
+    gather = topk_idx.clamp(min=0).reshape(B, S * k, 1).expand(-1, -1, rows.shape[-1])
+    chosen = torch.gather(rows, 1, gather).reshape(B, S, k, rows.shape[-1])
+    keys = torch.cat([kv.unsqueeze(1).expand(-1, S, -1, -1), chosen], dim=2)
+    visible = torch.cat([window_visible(q_pos, kv_pos, window), topk_idx >= 0], dim=-1)
+    return attend_with_sink(q, keys, visible, sink, scale)
+
+
+# --------------------------------------------------------------------------- the ops
 def sliding_attention(q: torch.Tensor, q_pos: torch.Tensor, kv: torch.Tensor, kv_pos: torch.Tensor,
                       sink: torch.Tensor, *, window: int, scale: float) -> torch.Tensor:
     """v4::SlidingAttention: the window only (sliding layers and the MTP layer)."""
-    return attend_with_sink(q, kv, window_bias(q_pos, kv_pos, window), sink, scale)
+    if exporting():
+        return symbolic("SlidingAttention", [q, q_pos, kv, kv_pos, sink], dict(window=window, scale=scale),
+                        [q.dtype], [q.shape])[0]
+    return _sliding_reference(q, q_pos, kv, kv_pos, sink, window, scale)
 
 
 def hca_attention(q: torch.Tensor, q_pos: torch.Tensor, kv: torch.Tensor, kv_pos: torch.Tensor,
                   rows: torch.Tensor, row_ids: torch.Tensor, sink: torch.Tensor, *, window: int, ratio: int,
                   scale: float) -> torch.Tensor:
     """v4::HcaAttention: the window plus every compressed row w with w < (t+1) // ratio."""
-    visible = (row_ids.unsqueeze(-2) >= 0) & (row_ids.unsqueeze(-2) < torch.div(q_pos + 1, ratio,
-                                                                                 rounding_mode="floor").unsqueeze(-1))
-    row_bias = torch.zeros(visible.shape, dtype=torch.float32, device=q.device).masked_fill(~visible, NEG_INF)
-    keys = torch.cat([kv, rows], dim=1)
-    bias = torch.cat([window_bias(q_pos, kv_pos, window), row_bias], dim=-1)
-    return attend_with_sink(q, keys, bias, sink, scale)
+    if exporting():
+        return symbolic("HcaAttention", [q, q_pos, kv, kv_pos, rows, row_ids, sink],
+                        dict(window=window, ratio=ratio, scale=scale), [q.dtype], [q.shape])[0]
+    return _hca_reference(q, q_pos, kv, kv_pos, rows, row_ids, sink, window, ratio, scale)
 
 
 def csa_attention(q: torch.Tensor, q_pos: torch.Tensor, kv: torch.Tensor, kv_pos: torch.Tensor,
                   rows: torch.Tensor, topk_idx: torch.Tensor, sink: torch.Tensor, *, window: int,
                   scale: float) -> torch.Tensor:
     """v4::CsaAttention: the window plus the compressed rows the indexer picked (topk_idx [B,S,k], -1 = none)."""
-    B, S, k = topk_idx.shape
-    picked = topk_idx >= 0
-    gather = topk_idx.clamp(min=0).reshape(B, S * k, 1).expand(-1, -1, rows.shape[-1])
-    chosen = torch.gather(rows, 1, gather).reshape(B, S, k, rows.shape[-1])
-    window_keys = kv.unsqueeze(1).expand(-1, S, -1, -1)
-    keys = torch.cat([window_keys, chosen], dim=2)
-    row_bias = torch.zeros(picked.shape, dtype=torch.float32, device=q.device).masked_fill(~picked, NEG_INF)
-    bias = torch.cat([window_bias(q_pos, kv_pos, window), row_bias], dim=-1)
-    return attend_with_sink(q, keys, bias, sink, scale)
+    if exporting():
+        return symbolic("CsaAttention", [q, q_pos, kv, kv_pos, rows, topk_idx, sink],
+                        dict(window=window, scale=scale), [q.dtype], [q.shape])[0]
+    return _csa_reference(q, q_pos, kv, kv_pos, rows, topk_idx, sink, window, scale)
+
+
+# --------------------------------------------------------------------------- ONNX functions (standard ops)
+@script(V4, default_opset=op)
+def WindowVisible(q_pos: INT64, kv_pos: INT64, window: int) -> BOOL:
+    t = op.Unsqueeze(q_pos, [-1])
+    p = op.Unsqueeze(kv_pos, [1])
+    lowest = t - op.CastLike(window, t)
+    return op.And(op.And(op.LessOrEqual(p, t), op.Greater(p, lowest)), op.GreaterOrEqual(p, op.CastLike(0, p)))
+
+
+@script(V4, default_opset=op)
+def RowsVisible(q_pos: INT64, row_ids: INT64, ratio: int) -> BOOL:
+    limit = op.Unsqueeze(op.Div(q_pos + op.CastLike(1, q_pos), op.CastLike(ratio, q_pos)), [-1])
+    ids = op.Unsqueeze(row_ids, [1])
+    return op.And(op.GreaterOrEqual(ids, op.CastLike(0, ids)), op.Less(ids, limit))
+
+
+@script(V4, default_opset=op)
+def AttendWithSink(q: FLOAT, keys: FLOAT, visible: BOOL, sink: FLOAT, scale: float) -> FLOAT:
+    logits = op.MatMul(q, op.Transpose(keys, perm=[0, 1, 3, 2])) * op.CastLike(scale, q)
+    logits = op.Where(op.Unsqueeze(visible, [2]), logits, op.CastLike(NEG_INF, q))
+    sinks = op.Expand(op.Reshape(sink, [1, 1, -1, 1]), op.Concat(op.Slice(op.Shape(logits), [0], [3]), [1], axis=0))
+    combined = op.Concat(logits, sinks, axis=-1)
+    combined = combined - op.ReduceMax(combined, [-1], keepdims=1)
+    probs = op.Slice(op.Softmax(combined, axis=-1), [0], [-1], [-1])
+    return op.MatMul(probs, keys)
+
+
+@script(V4, default_opset=op)
+def SlidingAttention(q: FLOAT, q_pos: INT64, kv: FLOAT, kv_pos: INT64, sink: FLOAT, window: int,
+                     scale: float) -> FLOAT:
+    visible = WindowVisible(q_pos, kv_pos, window=window)
+    return AttendWithSink(q, op.Unsqueeze(kv, [1]), visible, sink, scale=scale)
+
+
+@script(V4, default_opset=op)
+def HcaAttention(q: FLOAT, q_pos: INT64, kv: FLOAT, kv_pos: INT64, rows: FLOAT, row_ids: INT64, sink: FLOAT,
+                 window: int, ratio: int, scale: float) -> FLOAT:
+    keys = op.Unsqueeze(op.Concat(kv, rows, axis=1), [1])
+    visible = op.Concat(WindowVisible(q_pos, kv_pos, window=window), RowsVisible(q_pos, row_ids, ratio=ratio),
+                        axis=-1)
+    return AttendWithSink(q, keys, visible, sink, scale=scale)
+
+
+@script(V4, default_opset=op)
+def CsaAttention(q: FLOAT, q_pos: INT64, kv: FLOAT, kv_pos: INT64, rows: FLOAT, topk_idx: INT64, sink: FLOAT,
+                 window: int, scale: float) -> FLOAT:
+    picked = op.GreaterOrEqual(topk_idx, op.CastLike(0, topk_idx))
+    index = op.Unsqueeze(op.Max(topk_idx, op.CastLike(0, topk_idx)), [-1])
+    chosen = op.GatherND(rows, index, batch_dims=1)                                  # [B,S,k,d]
+    per_query = op.Shape(topk_idx, start=0, end=2)
+    window_keys = op.Expand(op.Unsqueeze(kv, [1]),
+                            op.Concat(per_query, op.Shape(kv, start=1, end=3), axis=0))   # [B,S,T,d]
+    keys = op.Concat(window_keys, chosen, axis=2)
+    visible = op.Concat(WindowVisible(q_pos, kv_pos, window=window), picked, axis=-1)
+    return AttendWithSink(q, keys, visible, sink, scale=scale)
+
+
+PLUGIN_FUNCTIONS = (SlidingAttention, HcaAttention, CsaAttention)
+HELPER_FUNCTIONS = (WindowVisible, RowsVisible, AttendWithSink)

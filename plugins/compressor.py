@@ -1,47 +1,117 @@
 """Compressor emission (V4_MODEL.md §2.6-2.8): gated pooling of per-token values into compressed rows.
 
 Each token t contributes a value c_t and a gate z_t (+ ape[t mod m]). Window w covers positions
-m*w .. m*w+m-1 and closes at its last token. HCA pools one window; CSA (`overlap`) pools 2m slots:
-the first half (Ca) of window w-1 and the second half (Cb) of window w. The softmax runs over the
-slots, per channel; slots at negative positions have weight 0.
+m*w .. m*w+m-1 and closes at its last token. HCA pools one window; CSA pools 2m slots: the first half
+(Ca) of window w-1 and the second half (Cb) of window w. The softmax runs over the slots, per channel;
+slots at negative positions have weight 0.
 
-The op sees a buffer of per-token values for consecutive positions `first_pos .. first_pos+L-1`
-(the state tokens the cache kept, then the new ones) and emits the rows of the windows that close
-inside the new tokens: E = ceil(S/m) slots, row i being window first_new // m + i, with row_ids = -1
-where that window does not close inside the buffer.
+The ops see a buffer of per-token values for consecutive positions `first_pos .. first_pos+L-1`
+(the `state_tokens` the cache kept, then the S new ones) and emit E = ceil(S/m) row slots: slot i is
+window (first_pos + state_tokens) // m + i, with row_id = -1 where that window does not close inside
+the buffer. Norm and rope are applied by the caller (standard ops).
 """
 from __future__ import annotations
 
 import torch
+from onnxscript import FLOAT, INT64, script
+
+from .common import NEG_INF, V4, exporting, op, symbolic
 
 
-def compressor_pool(kv: torch.Tensor, gate: torch.Tensor, first_pos: torch.Tensor, *, ratio: int, overlap: bool,
-                    state_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """v4::CompressorPool. kv, gate: [B, P+S, C] with P = state_tokens; first_pos [B] = position of slot 0.
-
-    Returns pooled rows [B, E, C/2 if overlap else C] (before norm and rope) and row_ids [B, E].
-    """
+def _reference(kv: torch.Tensor, gate: torch.Tensor, first_pos: torch.Tensor, ratio: int, state_tokens: int,
+               overlap: bool) -> tuple[torch.Tensor, torch.Tensor]:
     B, L, C = kv.shape
     m = ratio
-    n_new = L - state_tokens
-    E = (n_new + m - 1) // m
+    E = (L - state_tokens + m - 1) // m
     start = first_pos + state_tokens                                  # position of the first new token
-    first_window = torch.div(start, m, rounding_mode="floor")          # [B]
-    windows = first_window.unsqueeze(1) + torch.arange(E, device=kv.device).unsqueeze(0)   # [B,E]
+    windows = torch.div(start, m, rounding_mode="floor").unsqueeze(1) + torch.arange(E, device=kv.device)
     closes_at = windows * m + (m - 1)
     row_ids = torch.where(closes_at <= first_pos.unsqueeze(1) + (L - 1), windows, torch.full_like(windows, -1))
 
-    width = 2 * m if overlap else m
-    slot_start = (windows - 1) * m if overlap else windows * m          # position of each row's first slot
-    slot_pos = slot_start.unsqueeze(-1) + torch.arange(width, device=kv.device)      # [B,E,width]
-    index = (slot_pos - first_pos.view(B, 1, 1)).clamp(0, L - 1)
-    flat = index.reshape(B, E * width, 1).expand(-1, -1, C)
-    slot_kv = torch.gather(kv, 1, flat).reshape(B, E, width, C)
-    slot_gate = torch.gather(gate, 1, flat).reshape(B, E, width, C)
-    if overlap:
+    span = 2 if overlap else 1                                         # windows pooled into one row
+    slot_pos = ((windows - (span - 1)) * m).unsqueeze(-1) + torch.arange(span * m, device=kv.device)
+    index = (slot_pos - first_pos.view(B, 1, 1)).clamp(0, L - 1).reshape(B, E * span * m, 1).expand(-1, -1, C)
+    slot_kv = torch.gather(kv, 1, index).reshape(B, E, span * m, C)
+    slot_gate = torch.gather(gate, 1, index).reshape(B, E, span * m, C)
+    if overlap:  # Ca (first half of the channels) of window w-1, Cb (second half) of window w
         d = C // 2
         slot_kv = torch.cat([slot_kv[:, :, :m, :d], slot_kv[:, :, m:, d:]], dim=2)
         slot_gate = torch.cat([slot_gate[:, :, :m, :d], slot_gate[:, :, m:, d:]], dim=2)
-    slot_gate = slot_gate.float().masked_fill((slot_pos < 0).unsqueeze(-1), float("-inf"))
-    weights = torch.softmax(slot_gate, dim=2).to(kv.dtype)
-    return (slot_kv * weights).sum(dim=2), row_ids
+    slot_gate = slot_gate.float().masked_fill((slot_pos < 0).unsqueeze(-1), NEG_INF)
+    weights = torch.softmax(slot_gate, dim=2)
+    return (slot_kv.float() * weights).sum(dim=2).to(kv.dtype), row_ids
+
+
+def _compress(name: str, kv: torch.Tensor, gate: torch.Tensor, first_pos: torch.Tensor, ratio: int,
+              state_tokens: int, overlap: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if exporting():
+        B, L, C = kv.shape
+        E = (L - state_tokens + ratio - 1) // ratio
+        rows, ids = symbolic(name, [kv, gate, first_pos], dict(ratio=ratio, state_tokens=state_tokens),
+                             [kv.dtype, torch.int64], [(B, E, C // 2 if overlap else C), (B, E)])
+        return rows, ids
+    return _reference(kv, gate, first_pos, ratio, state_tokens, overlap)
+
+
+def hca_compress(kv: torch.Tensor, gate: torch.Tensor, first_pos: torch.Tensor, *, ratio: int,
+                 state_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """v4::HcaCompress. kv, gate [B, P+S, d]; first_pos [B]. Returns rows [B,E,d] (before norm, rope), row_ids [B,E]."""
+    return _compress("HcaCompress", kv, gate, first_pos, ratio, state_tokens, overlap=False)
+
+
+def csa_compress(kv: torch.Tensor, gate: torch.Tensor, first_pos: torch.Tensor, *, ratio: int,
+                 state_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """v4::CsaCompress. kv, gate [B, P+S, 2d] (Ca | Cb). Returns rows [B,E,d] (before norm, rope), row_ids [B,E]."""
+    return _compress("CsaCompress", kv, gate, first_pos, ratio, state_tokens, overlap=True)
+
+
+# --------------------------------------------------------------------------- ONNX functions (standard ops)
+@script(V4, default_opset=op)
+def WindowSlots(kv: FLOAT, gate: FLOAT, first_pos: INT64, ratio: int, state_tokens: int, span: int):
+    """Gather each emitted row's span*ratio slots: (slot values, slot gates with -inf before position 0, row_ids)."""
+    m = op.CastLike(ratio, first_pos)
+    length = op.Shape(kv, start=1, end=2)
+    n_new = length - op.CastLike(state_tokens, first_pos)
+    rows = op.Div(n_new + m - op.CastLike(1, m), m)
+    start = first_pos + op.CastLike(state_tokens, first_pos)
+    windows = op.Unsqueeze(op.Div(start, m), [1]) + op.Unsqueeze(
+        op.Range(op.CastLike(0, m), op.Squeeze(rows, [0]), op.CastLike(1, m)), [0])           # [B,E]
+    closes_at = windows * m + m - op.CastLike(1, m)
+    last_pos = op.Unsqueeze(first_pos, [1]) + length - op.CastLike(1, m)
+    row_ids = op.Where(op.LessOrEqual(closes_at, last_pos), windows, op.CastLike(-1, windows))
+    width = m * op.CastLike(span, m)
+    slot_pos = op.Unsqueeze((windows - op.CastLike(span, m) + op.CastLike(1, m)) * m, [-1]) + op.Range(
+        op.CastLike(0, m), width, op.CastLike(1, m))                                              # [B,E,width]
+    index = op.Clip(slot_pos - op.Unsqueeze(first_pos, [1, 2]), op.CastLike(0, m), op.Squeeze(length, [0]) - 1)
+    index = op.Unsqueeze(index, [-1])
+    slot_kv = op.GatherND(kv, index, batch_dims=1)                                               # [B,E,width,C]
+    slot_gate = op.GatherND(gate, index, batch_dims=1)
+    before_start = op.Unsqueeze(op.Less(slot_pos, op.CastLike(0, m)), [-1])
+    slot_gate = op.Where(before_start, op.CastLike(NEG_INF, slot_gate), slot_gate)
+    return slot_kv, slot_gate, row_ids
+
+
+@script(V4, default_opset=op)
+def HcaCompress(kv: FLOAT, gate: FLOAT, first_pos: INT64, ratio: int, state_tokens: int):
+    slot_kv, slot_gate, row_ids = WindowSlots(kv, gate, first_pos, ratio=ratio, state_tokens=state_tokens, span=1)
+    weights = op.Softmax(slot_gate, axis=2)
+    return op.ReduceSum(slot_kv * weights, [2], keepdims=0), row_ids
+
+
+@script(V4, default_opset=op)
+def CsaCompress(kv: FLOAT, gate: FLOAT, first_pos: INT64, ratio: int, state_tokens: int):
+    slot_kv, slot_gate, row_ids = WindowSlots(kv, gate, first_pos, ratio=ratio, state_tokens=state_tokens, span=2)
+    d = op.Div(op.Shape(kv, start=2, end=3), op.CastLike(2, first_pos))
+    m = op.Reshape(op.CastLike(ratio, first_pos), [1])
+    zero = op.Constant(value_ints=[0])
+    big = op.Constant(value_ints=[9223372036854775807])
+    ca_kv = op.Slice(op.Slice(slot_kv, zero, m, [2]), zero, d, [3])          # window w-1, first half
+    cb_kv = op.Slice(op.Slice(slot_kv, m, big, [2]), d, big, [3])            # window w, second half
+    ca_gate = op.Slice(op.Slice(slot_gate, zero, m, [2]), zero, d, [3])
+    cb_gate = op.Slice(op.Slice(slot_gate, m, big, [2]), d, big, [3])
+    weights = op.Softmax(op.Concat(ca_gate, cb_gate, axis=2), axis=2)
+    return op.ReduceSum(op.Concat(ca_kv, cb_kv, axis=2) * weights, [2], keepdims=0), row_ids
+
+
+PLUGIN_FUNCTIONS = (HcaCompress, CsaCompress)
+HELPER_FUNCTIONS = (WindowSlots,)

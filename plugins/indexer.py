@@ -2,25 +2,52 @@
 
 score[t, r] = sum_h weights[t,h] * ReLU(q[t,h] . key[r]) * scale over the rows visible to t
 (0 <= row_id < (t+1) // ratio). The top min(topk, R) rows are kept, ties broken by LOWEST slot index
-(rows are stored in window order, so lowest window wins) in every realisation: ReLU makes whole rows
-of scores exactly 0, and an unstable top-k would select different rows in prefill and decode
-(DESIGN.md). Picks that are not visible come back as -1.
+(rows are stored in window order, so the lowest window wins) in every realisation: ReLU makes whole
+rows of scores exactly 0, and an unstable top-k would select different rows in prefill and decode
+(DESIGN.md). ONNX TopK keeps index order among equal values, so its lowering is already stable.
+Picks that are not visible come back as -1.
 """
 from __future__ import annotations
 
 import torch
+from onnxscript import FLOAT, INT64, script
+
+from .attention import RowsVisible, rows_visible
+from .common import NEG_INF, V4, exporting, op, symbolic
+
+
+def _reference(q, weights, keys, key_ids, q_pos, topk, ratio, scale):
+    scores = torch.relu(torch.einsum("bshd,brd->bshr", q.float(), keys.float())) * scale
+    scores = (scores * weights.float().unsqueeze(-1)).sum(dim=2)                    # [B,S,R]
+    visible = rows_visible(q_pos, key_ids, ratio)
+    scores = scores.masked_fill(~visible, NEG_INF)
+    k = min(topk, keys.shape[1])
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+    return torch.where(torch.gather(visible, -1, order), order, torch.full_like(order, -1))
 
 
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_ids: torch.Tensor,
                  q_pos: torch.Tensor, *, topk: int, ratio: int, scale: float) -> torch.Tensor:
     """v4::IndexerTopK. q [B,S,h,dI]; weights [B,S,h]; keys [B,R,dI]; key_ids [B,R]; q_pos [B,S] -> [B,S,k] int64."""
-    scores = torch.relu(torch.einsum("bshd,brd->bshr", q.float(), keys.float())) * scale
-    scores = (scores * weights.float().unsqueeze(-1)).sum(dim=2)                    # [B,S,R]
-    limit = torch.div(q_pos + 1, ratio, rounding_mode="floor").unsqueeze(-1)
-    ids = key_ids.unsqueeze(1)
-    visible = (ids >= 0) & (ids < limit)
-    scores = scores.masked_fill(~visible, float("-inf"))
-    k = min(topk, keys.shape[1])
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
-    chosen_visible = torch.gather(visible, -1, order)
-    return torch.where(chosen_visible, order, torch.full_like(order, -1))
+    if exporting():
+        k = torch.sym_min(topk, keys.shape[1])
+        return symbolic("IndexerTopK", [q, weights, keys, key_ids, q_pos], dict(topk=topk, ratio=ratio, scale=scale),
+                        [torch.int64], [(q.shape[0], q.shape[1], k)])[0]
+    return _reference(q, weights, keys, key_ids, q_pos, topk, ratio, scale)
+
+
+@script(V4, default_opset=op)
+def IndexerTopK(q: FLOAT, weights: FLOAT, keys: FLOAT, key_ids: INT64, q_pos: INT64, topk: int, ratio: int,
+                scale: float) -> INT64:
+    per_head = op.MatMul(q, op.Unsqueeze(op.Transpose(keys, perm=[0, 2, 1]), [1]))         # [B,S,h,R]
+    per_head = op.Relu(per_head) * op.CastLike(scale, q)
+    scores = op.ReduceSum(per_head * op.Unsqueeze(weights, [-1]), [2], keepdims=0)         # [B,S,R]
+    visible = RowsVisible(q_pos, key_ids, ratio=ratio)
+    scores = op.Where(visible, scores, op.CastLike(NEG_INF, scores))
+    k = op.Min(op.Reshape(op.CastLike(topk, key_ids), [1]), op.Shape(keys, start=1, end=2))
+    values, order = op.TopK(scores, k, axis=-1, largest=1, sorted=1)
+    return op.Where(op.GatherElements(visible, order, axis=-1), order, op.CastLike(-1, order))
+
+
+PLUGIN_FUNCTIONS = (IndexerTopK,)
+HELPER_FUNCTIONS = ()

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from v4engine.plugins.attention import csa_attention, hca_attention, sliding_attention
-from v4engine.plugins.compressor import compressor_pool
+from v4engine.plugins.compressor import csa_compress, hca_compress
 from v4engine.plugins.indexer import indexer_topk
 from v4engine.runtime.config import CSA, HASH_MOE, HCA, SLIDING, V4Config
 
@@ -49,7 +49,7 @@ class LayerCache:
 
 @dataclass
 class LayerDelta:
-    """What one forward adds to a layer's caches, per new position (rows: per window closed, see compressor_pool)."""
+    """What one forward adds to a layer's caches, per new position (rows: per window closed, see plugins/compressor.py)."""
 
     window_kv: torch.Tensor
     compressor_kv: torch.Tensor | None = None
@@ -152,8 +152,9 @@ class Compressor(nn.Module):
         kv = self.wkv(x)
         gate = self.wgate(x) + self.ape[torch.remainder(positions, self.ratio)]
         first_pos = positions[:, 0] - self.state_tokens
-        pooled, row_ids = compressor_pool(torch.cat([state_kv, kv], 1), torch.cat([state_gate, gate], 1), first_pos,
-                                          ratio=self.ratio, overlap=self.overlap, state_tokens=self.state_tokens)
+        compress = csa_compress if self.overlap else hca_compress
+        pooled, row_ids = compress(torch.cat([state_kv, kv], 1), torch.cat([state_gate, gate], 1), first_pos,
+                                   ratio=self.ratio, state_tokens=self.state_tokens)
         rows = self.norm(pooled)
         cos, sin = rotary.at(row_ids.clamp(min=0) * self.ratio)
         return apply_rope(rows, cos, sin), row_ids, kv, gate

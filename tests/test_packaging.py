@@ -1,0 +1,28 @@
+"""v4engine installs as a wheel into a fresh venv, and the three parts import from it."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_built_wheel_imports_in_a_fresh_venv(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", str(ROOT), "-w", str(tmp_path / "whl")],
+                   check=True, timeout=300)
+    (wheel,) = (tmp_path / "whl").glob("v4engine-*.whl")
+    venv.create(tmp_path / "env", with_pip=True)
+    python = tmp_path / "env" / "bin" / "python"
+    subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", str(wheel)], check=True, timeout=300)
+    probe = ("import v4engine.builder, v4engine.plugins, v4engine.runtime, sys; "
+             "from v4engine.runtime import V4Config; print(v4engine.runtime.__file__)")
+    out = subprocess.run([python, "-c", probe], check=True, capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert str(tmp_path / "env") in out.stdout
+
+
+def test_editable_install_points_at_the_repository():
+    import v4engine.runtime
+
+    assert Path(v4engine.runtime.__file__).resolve().parent == ROOT / "runtime"

@@ -250,6 +250,13 @@ class Checkpoint:
             return torch.from_numpy(np.array(self._raw(info), dtype=np.int64))
         return _decode(self._raw(info), info.dtype).to(dtype)
 
+    def scale(self, name: str) -> torch.Tensor:
+        """The float32 values of a quantized weight's scales (FP8: the 128x128 block grid; MXFP4: per 32 inputs)."""
+        info = self.info(name)
+        if info.scale is None:
+            raise CheckpointError(f"{info.file}: tensor '{name}' is not quantized and has no scale")
+        return _decode(self._raw(info.scale), info.scale.dtype).float()
+
     def _raw(self, info: TensorInfo) -> np.ndarray:
         mm = self._maps.get(info.file)
         if mm is None:

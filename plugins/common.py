@@ -32,6 +32,6 @@ def plugin_attrs(**attrs: int | float | str) -> dict[str, int | float | str]:
 def symbolic(name: str, inputs: Sequence[torch.Tensor], attrs: dict, dtypes: Sequence[torch.dtype],
              shapes: Sequence[Sequence[int | torch.SymInt]]) -> list[torch.Tensor]:
     """The op as one `v4::name` node of the exported graph (outputs described by dtypes and shapes)."""
-    return list(torch.onnx.ops.symbolic_multi_out(f"{DOMAIN}::{name}", list(inputs), plugin_attrs(**attrs),
-                                                  dtypes=list(dtypes), shapes=[list(s) for s in shapes],
-                                                  version=1))
+    outputs = torch.onnx.ops.symbolic_multi_out(f"{DOMAIN}::{name}", list(inputs), plugin_attrs(**attrs),
+                                                dtypes=list(dtypes), shapes=[list(s) for s in shapes], version=1)
+    return [t.to(inputs[0].device) for t in outputs]     # symbolic outputs are made on the CPU

@@ -1,0 +1,132 @@
+"""Export our V4 to ONNX: the `target` graph (any number of new tokens on existing caches) and the `draft`
+graph (the MTP layer), with flat, named inputs and outputs that follow the engine contract.
+
+Inputs of the target graph: `input_ids`, `positions` [batch, seq], then one `past.{layer}.{cache}` per cache
+group of V4Config.cache_groups (views: windows and partial windows of fixed length, compressed rows of
+dynamic length). Outputs: `logits`, `hidden` (pre-head streams), then one `new.{layer}.{cache}` per group:
+per-position deltas, or per-window rows for the compressed caches. The draft graph takes `hidden`,
+`input_ids` (the next tokens), `positions` and its own window. Batch, sequence and row counts are dynamic.
+
+Weights are not written here: the model is exported on the meta device and the builder attaches every
+initializer afterwards (builder/weights.py), pointing into the checkpoint files.
+"""
+from __future__ import annotations
+
+import onnx_ir as ir
+import torch
+from torch import nn
+from torch.export import Dim
+
+from v4engine.plugins import OPSET
+from v4engine.runtime.config import CSA, SLIDING, CacheGroup, V4Config
+from v4engine.runtime.engine import TensorSpec
+
+from .model import LayerCache, Transformer
+from .model.rope import inv_freq
+
+ROW_GROUPS = ("compressed_kv", "index_keys")
+
+
+def _kind(cfg: V4Config, group: CacheGroup) -> str:
+    return SLIDING if group.layer >= cfg.num_hidden_layers else cfg.layer_types[group.layer]
+
+
+def _rows_dim(cfg: V4Config, group: CacheGroup) -> str:
+    return "rows_csa" if _kind(cfg, group) == CSA else "rows_hca"
+
+
+def _emitted_dim(cfg: V4Config, group: CacheGroup) -> str:
+    return "emitted_csa" if _kind(cfg, group) == CSA else "emitted_hca"
+
+
+def cache_inputs(cfg: V4Config, groups: list[CacheGroup], dtype: str) -> list[TensorSpec]:
+    out = []
+    for g in groups:
+        kind = _kind(cfg, g)
+        if g.name in ROW_GROUPS:
+            rows: int | str = _rows_dim(cfg, g)
+        elif g.name == "window_kv":
+            rows = cfg.sliding_window - 1
+        else:
+            rows = cfg.state_tokens(kind)
+        out.append(TensorSpec(f"past.{g.layer}.{g.name}", dtype, ("batch", rows, g.width)))
+    return out
+
+
+def cache_outputs(cfg: V4Config, groups: list[CacheGroup], dtype: str) -> list[TensorSpec]:
+    return [TensorSpec(f"new.{g.layer}.{g.name}", dtype,
+                       ("batch", _emitted_dim(cfg, g) if g.name in ROW_GROUPS else "seq", g.width)) for g in groups]
+
+
+def graph_specs(cfg: V4Config, draft: bool, dtype: str = "float32") -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """(inputs, outputs) of the target or draft graph."""
+    groups = cfg.cache_groups(draft=draft, mtp=0)
+    tokens = [TensorSpec("input_ids", "int64", ("batch", "seq")), TensorSpec("positions", "int64", ("batch", "seq"))]
+    hidden = TensorSpec("hidden", dtype, ("batch", "seq", cfg.hc_mult, cfg.hidden_size))
+    inputs = ([hidden] if draft else []) + tokens + cache_inputs(cfg, groups, dtype)
+    out_hidden = TensorSpec("next_hidden", dtype, hidden.shape) if draft else hidden   # the draft's own streams
+    outputs = [TensorSpec("logits", "float32", ("batch", "seq", cfg.vocab_size)), out_hidden]
+    return inputs, outputs + cache_outputs(cfg, groups, dtype)
+
+
+class _Graph(nn.Module):
+    """Flat tensors in and out around Transformer.forward / Transformer.draft."""
+
+    def __init__(self, model: Transformer, draft: bool):
+        super().__init__()
+        self.model, self.draft = model, draft
+        self.groups = model.cfg.cache_groups(draft=draft, mtp=0)
+
+    def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.draft:
+            hidden, input_ids, positions, *past = args
+        else:
+            input_ids, positions, *past = args
+        caches: dict[int, LayerCache] = {}
+        for group, tensor in zip(self.groups, past):
+            cache = caches.setdefault(group.layer, LayerCache(window_kv=None))
+            setattr(cache, group.name, tensor)
+        layers = [caches[layer] for layer in sorted(caches)]
+        if self.draft:
+            out = self.model.draft(hidden, input_ids, positions, layers[0])
+        else:
+            out = self.model(input_ids, positions, layers)
+        deltas = {self.groups[0].layer + i if self.draft else i: d for i, d in enumerate(out.deltas)}
+        return (out.logits, out.hidden, *(getattr(deltas[g.layer], g.name) for g in self.groups))
+
+
+def _example(spec: TensorSpec, sizes: dict[str, int]) -> torch.Tensor:
+    shape = [sizes[d] if isinstance(d, str) else d for d in spec.shape]
+    return torch.empty(shape, dtype=getattr(torch, spec.dtype), device="meta")
+
+
+def rope_table(cfg: V4Config, initializer: str) -> torch.Tensor | None:
+    """The value of a rope table initializer (`layers.3.attn.rotary.inv_freq`: layer 3's kind; `mtp.*`: sliding)."""
+    if not initializer.endswith("rotary.inv_freq"):
+        return None
+    parts = initializer.split(".")
+    kind = cfg.layer_types[int(parts[1])] if parts[0] == "layers" else SLIDING
+    return inv_freq(cfg.rope(kind))
+
+
+def export_graph(cfg: V4Config, draft: bool, dtype: torch.dtype = torch.float32, max_batch: int = 64,
+                 max_seq_len: int = 4096) -> ir.Model:
+    """The target or draft graph as an onnx_ir Model whose checkpoint initializers have no data yet."""
+    dtype_name = str(dtype).removeprefix("torch.")
+    with torch.device("meta"):                               # no weight memory, whatever the model size
+        model = Transformer(cfg, mtp=draft).to(dtype).eval()
+    inputs, outputs = graph_specs(cfg, draft, dtype_name)
+    max_rows = max_seq_len // min(cfg.compress_rates.values()) + 1
+    dims = {"batch": Dim("batch", min=1, max=max_batch), "seq": Dim("seq", min=1, max=max_seq_len),
+            "rows_csa": Dim("rows_csa", min=0, max=max_rows), "rows_hca": Dim("rows_hca", min=0, max=max_rows)}
+    # Example sizes: none 0 or 1 (torch.export specializes those), and every ratio's emitted rows >= 2.
+    sizes = {"batch": 2, "seq": 2 * max(cfg.compress_rates.values()) + 3, "rows_csa": 3, "rows_hca": 2}
+    examples = tuple(_example(s, sizes) for s in inputs)
+    dynamic = tuple({i: dims[d] for i, d in enumerate(s.shape) if isinstance(d, str)} or None for s in inputs)
+    program = torch.onnx.export(_Graph(model, draft), examples, dynamo=True, opset_version=OPSET, optimize=False,
+                                input_names=[s.name for s in inputs], output_names=[s.name for s in outputs],
+                                dynamic_shapes=(dynamic,), verbose=False)
+    return program.model
+
+
+__all__ = ["graph_specs", "export_graph", "rope_table"]

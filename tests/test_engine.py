@@ -1,0 +1,100 @@
+"""The ONNX Runtime engine equals our PyTorch model within 1e-4 (fp32): every output (logits, hidden streams,
+state deltas) for prefill, verify (q = k+1) and MTP steps, batches of 1 and 3 rows of different lengths."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from v4engine.builder.build import BuildOptions, build
+from v4engine.builder.load import load_model
+from v4engine.builder.model import ModelState
+from v4engine.builder.tiny import TINY_CONFIGS
+from v4engine.runtime.engine import EngineManifest
+from v4engine.runtime.sessions import open_session
+
+TOL = 1e-4
+MTP = 3
+
+
+@pytest.fixture(scope="module", params=sorted(TINY_CONFIGS))
+def engine(request, tiny_checkpoint, tmp_path_factory):
+    checkpoint = tiny_checkpoint(request.param)
+    out = tmp_path_factory.mktemp("engine") / request.param
+    manifest = build(BuildOptions(checkpoint=checkpoint, output=out, mtp=MTP, progress=False))
+    model = load_model(checkpoint, mtp=True)
+    sessions = {g: open_session(out, manifest, g) for g in manifest.graphs}
+    return model, manifest, sessions
+
+
+def feeds(manifest: EngineManifest, part: str, state: ModelState, **tokens: torch.Tensor) -> dict[str, np.ndarray]:
+    views = state.views()
+    layers = dict(zip(sorted({g.layer for g in manifest.cache_groups(part)}), views))
+    out = {k: v.numpy() for k, v in tokens.items()}
+    for g in manifest.cache_groups(part):
+        out[f"past.{g.layer}.{g.name}"] = getattr(layers[g.layer], g.name).numpy()
+    return out
+
+
+def expected(manifest: EngineManifest, part: str, result) -> dict[str, np.ndarray]:
+    layers = sorted({g.layer for g in manifest.cache_groups(part)})
+    deltas = dict(zip(layers, result.deltas))
+    out = {"logits": result.logits, ("next_hidden" if part == "draft" else "hidden"): result.hidden}
+    for g in manifest.cache_groups(part):
+        out[f"new.{g.layer}.{g.name}"] = getattr(deltas[g.layer], g.name)
+    return {k: v.detach().numpy() for k, v in out.items()}
+
+
+def assert_same(got: dict[str, np.ndarray], want: dict[str, np.ndarray], what: str) -> None:
+    assert set(got) == set(want)
+    for name in want:
+        assert got[name].shape == want[name].shape, f"{what}: {name} shape"
+        diff = np.abs(got[name] - want[name]).max(initial=0)
+        assert diff <= TOL, f"{what}: {name} differs by {diff:.2e}"
+
+
+def test_manifest_describes_the_graphs(engine):
+    _, manifest, sessions = engine
+    assert manifest.mtp == MTP and set(manifest.graphs) == {"target", "draft"}
+    assert [s.name for s in manifest.graphs["target"].inputs][:2] == ["input_ids", "positions"]
+    assert manifest.caches["draft"][0]["rows_fixed"] == manifest.model.sliding_window - 1 + MTP + 1
+
+
+def test_prefill_then_verify_steps_in_batches_of_one_and_three(engine):
+    model, manifest, sessions = engine
+    cfg = model.cfg
+    gen = torch.Generator().manual_seed(0)
+    for lengths in ([29], [5, 33, 17]):
+        B = len(lengths)
+        state = ModelState(cfg, B)
+        S = max(lengths)
+        ids = torch.randint(0, cfg.vocab_size, (B, S), generator=gen)
+        plan = [lengths] + [[MTP + 1] * B] * 6 + [[1, 3, MTP + 1][:B]] * 2
+        for step, sizes in enumerate(plan):
+            S = max(sizes)
+            if step:
+                ids = torch.randint(0, cfg.vocab_size, (B, S), generator=gen)
+            positions = state.positions(S)
+            with torch.no_grad():
+                result = model(ids, positions, state.views())
+            got = sessions["target"].run(feeds(manifest, "target", state, input_ids=ids, positions=positions))
+            assert_same(got, expected(manifest, "target", result), f"target step {step} lengths {sizes}")
+            state.commit(result.deltas, [max(1, s - step % 3) for s in sizes])   # some tails rejected
+
+
+def test_mtp_steps(engine):
+    model, manifest, sessions = engine
+    cfg = model.cfg
+    gen = torch.Generator().manual_seed(1)
+    B = 3
+    draft = ModelState(cfg, B, draft=True)
+    for sizes in ([7, 2, 12], [1, 1, 1], [4, 1, 2], [1, 1, 1]):
+        S = max(sizes)
+        hidden = torch.randn(B, S, cfg.hc_mult, cfg.hidden_size, generator=gen)
+        ids = torch.randint(0, cfg.vocab_size, (B, S), generator=gen)
+        positions = draft.positions(S)
+        with torch.no_grad():
+            result = model.draft(hidden, ids, positions, draft.views()[0])
+        got = sessions["draft"].run(feeds(manifest, "draft", draft, hidden=hidden, input_ids=ids, positions=positions))
+        assert_same(got, expected(manifest, "draft", result), f"draft step {sizes}")
+        draft.commit(result.deltas, sizes)

@@ -1,5 +1,6 @@
 """The `v4build` command line.
 
+    v4build --checkpoint DIR --output OUT [--mtp K] [--backend onnxruntime] [--dtype fp32] ...
     v4build make-tiny OUT [--config NAME] [--quantize fp8|mxfp4] [--names official|hf] ...
     v4build check --checkpoint DIR [--mtp K]
 
@@ -38,8 +39,61 @@ def _check(args: argparse.Namespace) -> None:
     print(f"  fingerprint {ckpt.fingerprint()[:16]}")
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="v4build", description="Build DeepSeek-V4 (+ MTP) engines from checkpoints.")
+def _build(args: argparse.Namespace) -> None:
+    from .build import BuildOptions, build
+
+    manifest = build(BuildOptions(checkpoint=args.checkpoint, output=args.output, mtp=args.mtp, backend=args.backend,
+                                  dtype=args.dtype, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
+                                  force=args.force, progress=not args.quiet))
+    print(summary(args.output, manifest))
+
+
+def summary(out: Path, manifest) -> str:
+    """What was built: graphs and sizes, weights, cache bytes per token, time."""
+    def mb(n: float) -> str:
+        return f"{n / 2**20:.1f} MiB"
+
+    lines = [f"engine {out} ({manifest.backend}, {manifest.dtype}, mtp {manifest.mtp}) "
+             f"built in {manifest.build['seconds']:.1f} s"]
+    for name, graph in manifest.graphs.items():
+        lines.append(f"  {graph.file}: {mb((out / graph.file).stat().st_size)}, "
+                     f"{len(graph.inputs)} inputs, {len(graph.outputs)} outputs")
+    for w in manifest.weights:
+        lines.append(f"  {w.file}: {mb(w.bytes)} ({w.link}{' to ' + w.source if w.source else ''})")
+    lines.append(f"  weights: {manifest.build['weights']}")
+    for part, groups in manifest.caches.items():
+        per_token = sum(g["bytes_per_token"] for g in groups)
+        fixed = sum(g["fixed_bytes"] for g in groups)
+        lines.append(f"  {part} caches: {per_token:.0f} bytes per token + {fixed} bytes per sequence")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="v4build", description="Compile a DeepSeek-V4 checkpoint (with its mtp.0.* draft layer) into an engine "
+        "directory: target and draft graphs, engine.json, tokenizer. Weights are referenced in place, never copied.",
+        epilog="Other commands: 'v4build make-tiny --help' (a tiny random checkpoint), "
+        "'v4build check --help' (check a checkpoint against its config.json).")
+    p.add_argument("--checkpoint", type=Path, required=True,
+                   help="checkpoint folder: config.json and safetensors (single file or sharded with an index); "
+                   "official or transformers names; bf16/fp32, FP8 block-scaled, MXFP4 experts")
+    p.add_argument("--output", type=Path, required=True, help="engine directory to create (built beside it in a "
+                   "temporary folder and renamed at the end)")
+    p.add_argument("--mtp", type=int, default=1, help="draft tokens per step with the MTP layer (0: no draft graph; "
+                   "> 0 needs the mtp.0.* weights); sizes the caches (default 1)")
+    p.add_argument("--backend", choices=["onnxruntime"], default="onnxruntime",
+                   help="engine backend (default onnxruntime, which runs on the CPU)")
+    p.add_argument("--dtype", choices=["fp32"], default="fp32", help="activation dtype of the graphs (default fp32)")
+    p.add_argument("--max-batch", type=int, default=8, help="largest batch the graphs accept (default 8)")
+    p.add_argument("--max-seq-len", type=int, default=4096, help="longest sequence the engine serves (default 4096)")
+    p.add_argument("--force", action="store_true", help="replace OUTPUT if it exists")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(run=_build)
+    return p
+
+
+def tools_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="v4build", description="Tools around DeepSeek-V4 checkpoints.")
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("make-tiny", help="write a random, seeded tiny V4 checkpoint (for tests and examples)",
@@ -71,7 +125,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    tools = bool(argv) and argv[0] in ("make-tiny", "check")
+    args = (tools_parser() if tools else build_parser()).parse_args(argv)
     try:
         args.run(args)
     except V4EngineError as e:

@@ -92,6 +92,10 @@ def test_config_field_out_of_range(checkpoint, field, value):
 
 
 def test_help_explains_every_flag():
-    for args in (["--help"], ["make-tiny", "--help"], ["check", "--help"]):
+    for args, flags in ((["--help"], ["--checkpoint", "--output", "--mtp", "--backend", "--dtype", "--max-batch",
+                                      "--max-seq-len", "--force"]),
+                        (["make-tiny", "--help"], ["--quantize", "--names", "--config"]),
+                        (["check", "--help"], ["--checkpoint", "--mtp"])):
         result = v4build(*args)
         assert result.returncode == 0 and "usage" in result.stdout
+        assert all(flag in result.stdout for flag in flags)

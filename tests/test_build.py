@@ -1,0 +1,150 @@
+"""v4build: weights referenced in place (never copied), quantized weights kept quantized, and bad input
+refused with one clear line, a non-zero exit and OUT untouched."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from v4engine.builder.build import BuildOptions, build
+from v4engine.builder.checkpoint import Checkpoint
+from v4engine.builder.load import load_model
+from v4engine.builder.model import ModelState
+from v4engine.runtime.engine import EngineManifest
+from v4engine.runtime.sessions import open_session
+
+
+def v4build(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "v4engine.builder.cli", *map(str, args), "--quiet"],
+                          capture_output=True, text=True, timeout=600)
+
+
+def external_refs(path: Path) -> dict[str, dict[str, str]]:
+    model = onnx.load(path, load_external_data=False)
+    return {t.name: {e.key: e.value for e in t.external_data} for t in model.graph.initializer
+            if t.data_location == onnx.TensorProto.EXTERNAL}
+
+
+@pytest.fixture(scope="module")
+def bf16_engine(tiny_checkpoint, tmp_path_factory):
+    checkpoint = tiny_checkpoint("split_groups", dtype="bfloat16")
+    out = tmp_path_factory.mktemp("eng") / "bf16"
+    return checkpoint, out, build(BuildOptions(checkpoint=checkpoint, output=out, mtp=1, progress=False))
+
+
+def test_weights_are_referenced_not_copied(bf16_engine):
+    checkpoint, out, manifest = bf16_engine
+    ckpt = Checkpoint.open(checkpoint)
+    for w in manifest.weights:      # each checkpoint file is linked, not copied: the same inode or a symlink
+        assert w.link in ("hardlink", "symlink")
+        assert os.path.samefile(out / w.file, w.source)
+    refs = external_refs(out / "target.onnx")
+    info = ckpt.info("layers.0.attn.wq_a.weight")
+    stored = refs["model.layers.0.attn.wq_a.weight.stored"]          # bf16 as stored, a Cast follows in the graph
+    assert stored["location"] == f"weights/{info.file.name}"
+    assert (int(stored["offset"]), int(stored["length"])) == (info.offset, info.nbytes)
+    assert not (out / "weights" / "converted.bin").exists(), "nothing needed converting"
+    engine_bytes = sum(f.stat().st_size for f in out.rglob("*") if f.is_file() and f.parent.name != "weights")
+    checkpoint_bytes = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
+    assert manifest.build["weights"]["in place + cast"] > 0 and manifest.build["weights"]["converted"] == 0
+    print(f"graphs + manifest: {engine_bytes} bytes beside {checkpoint_bytes} bytes of referenced weights")
+
+
+def test_fp32_weights_are_referenced_without_a_cast(tiny_checkpoint, tmp_path):
+    checkpoint = tiny_checkpoint("split_groups")
+    manifest = build(BuildOptions(checkpoint=checkpoint, output=tmp_path / "e", mtp=0, progress=False))
+    refs = external_refs(tmp_path / "e" / "target.onnx")
+    assert "model.layers.0.attn.wq_a.weight" in refs and manifest.build["weights"]["in place + cast"] == 0
+    assert set(manifest.graphs) == {"target"}
+
+
+@pytest.mark.parametrize("quantize", ["fp8", "mxfp4"])
+def test_quantized_checkpoint_engine_equals_the_model(tiny_checkpoint, tmp_path, quantize):
+    checkpoint = tiny_checkpoint("flash_like", quantize=quantize)
+    manifest = build(BuildOptions(checkpoint=checkpoint, output=tmp_path / "e", mtp=1, progress=False))
+    refs = external_refs(tmp_path / "e" / "target.onnx")
+    fp8 = refs["model.layers.0.attn.wq_a.weight.fp8"]
+    assert fp8["location"].startswith("weights/model-"), "FP8 bytes stay in the checkpoint file"
+    assert manifest.build["weights"]["fp8 in place + dequantize"] > 0
+    assert (manifest.build["weights"]["converted"] > 0) == (quantize == "mxfp4")
+    model = load_model(checkpoint, mtp=False)
+    state = ModelState(model.cfg, 1)
+    ids = torch.randint(0, model.cfg.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(ids, state.positions(40), state.views()).logits.numpy()
+    session = open_session(tmp_path / "e", EngineManifest.read(tmp_path / "e"), "target")
+    feeds = {"input_ids": ids.numpy(), "positions": state.positions(40).numpy()}
+    for g in manifest.cache_groups("target"):
+        view = state.views()[g.layer]
+        feeds[f"past.{g.layer}.{g.name}"] = getattr(view, g.name).numpy()
+    assert np.abs(session.run(feeds)["logits"] - want).max() <= 1e-4
+
+
+# --------------------------------------------------------------------------- bad input
+def assert_refused(result: subprocess.CompletedProcess, out: Path, *needles: str) -> None:
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    assert not out.exists() or out.is_dir() and (out / "keep").exists(), "OUT untouched"
+    assert not list(out.parent.glob(f".{out.name}.building-*")), "no partial files"
+
+
+def test_missing_or_truncated_shard(tiny_checkpoint, tmp_path):
+    broken = Path(shutil.copytree(tiny_checkpoint("mixed"), tmp_path / "ckpt"))
+    shard = sorted(broken.glob("*.safetensors"))[0]
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - 64)
+    assert_refused(v4build("--checkpoint", broken, "--output", tmp_path / "out"), tmp_path / "out", shard.name)
+    shard.unlink()
+    assert_refused(v4build("--checkpoint", broken, "--output", tmp_path / "out"), tmp_path / "out", shard.name)
+
+
+def test_output_that_exists_without_force(tiny_checkpoint, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep").write_text("mine")
+    assert_refused(v4build("--checkpoint", tiny_checkpoint("mixed"), "--output", out), out, "--force")
+    assert (out / "keep").read_text() == "mine"
+
+
+def test_unwritable_output_folder(tiny_checkpoint, tmp_path):
+    out = tmp_path / "no-such-folder" / "out"
+    assert_refused(v4build("--checkpoint", tiny_checkpoint("mixed"), "--output", out), out, "no-such-folder")
+    if os.geteuid() != 0:          # root writes anywhere; the read-only case needs an ordinary user
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        assert_refused(v4build("--checkpoint", tiny_checkpoint("mixed"), "--output", locked / "out"),
+                       locked / "out", "locked")
+
+
+def test_mtp_without_mtp_weights(tiny_checkpoint, tmp_path):
+    checkpoint = tiny_checkpoint("mixed", mtp=False)
+    assert_refused(v4build("--checkpoint", checkpoint, "--output", tmp_path / "out", "--mtp", "2"),
+                   tmp_path / "out", "mtp.0")
+
+
+def test_ctrl_c_in_the_middle_of_a_build(tiny_checkpoint, tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "v4engine.builder.cli", "--checkpoint",
+                             str(tiny_checkpoint("mixed")), "--output", str(out), "--quiet"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not list(tmp_path.glob(".out.building-*")) and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(1.0)                                  # well inside the export
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert err.strip().splitlines()[-1].startswith("v4build: interrupted")
+    assert not out.exists() and not list(tmp_path.glob(".out.building-*"))

@@ -83,7 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "> 0 needs the mtp.0.* weights); sizes the caches (default 1)")
     p.add_argument("--backend", choices=["onnxruntime"], default="onnxruntime",
                    help="engine backend (default onnxruntime, which runs on the CPU)")
-    p.add_argument("--dtype", choices=["fp32"], default="fp32", help="activation dtype of the graphs (default fp32)")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
+                   help="activation dtype of the graphs: fp32 (default; what the CPU runs exactly), fp16, or bf16 "
+                   "(GPU: the CPU execution provider has no bf16 kernels); hc mixes, sinks and softmaxes stay fp32")
     p.add_argument("--max-batch", type=int, default=8, help="largest batch the graphs accept (default 8)")
     p.add_argument("--max-seq-len", type=int, default=4096, help="longest sequence the engine serves (default 4096)")
     p.add_argument("--force", action="store_true", help="replace OUTPUT if it exists")

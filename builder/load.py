@@ -20,7 +20,9 @@ def open_checkpoint(directory: str | Path, mtp: bool) -> tuple[V4Config, Checkpo
     if mtp and not any(name.startswith("mtp.0.") for name in ckpt.names()):
         raise CheckpointError(f"{directory}: the checkpoint has no mtp.0.* weights, which MTP drafting needs "
                               "(transformers' save_pretrained drops them); use --mtp 0 to build without a draft")
-    ckpt.check({name: tuple(t.shape) for name, t in Transformer(cfg, mtp=mtp).to("meta").state_dict().items()})
+    with torch.device("meta"):                      # shapes only: no memory for the weights
+        expected = {name: tuple(t.shape) for name, t in Transformer(cfg, mtp=mtp).state_dict().items()}
+    ckpt.check(expected)
     return cfg, ckpt
 
 
@@ -34,4 +36,4 @@ def load_model(directory: str | Path, mtp: bool = True, dtype: torch.dtype = tor
         for name in tqdm(state, desc="loading weights", disable=not progress, unit="tensor"):
             target = state[name]
             target.copy_(ckpt.load(name, dtype=target.dtype if target.is_floating_point() else torch.float32))
-    return model.to(dtype).eval()
+    return model.to_dtype(dtype).eval()

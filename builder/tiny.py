@@ -22,6 +22,7 @@ from v4engine.runtime.errors import ConfigError
 
 from .checkpoint import quantize_fp8_block, quantize_mxfp4
 from .model import Transformer
+from .model.v4 import FP32_PARAMETERS
 
 _YARN = {"type": "yarn", "factor": 16, "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1}
 _COMMON: dict[str, Any] = {
@@ -58,7 +59,6 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
 FP8_WEIGHTS = re.compile(r"\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|ffn\.shared_experts\.w[123]|"
                          r"e_proj|h_proj)\.weight$")
 ROUTED_EXPERT = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
-FLOAT32_ALWAYS = re.compile(r"(hc_\w+|attn_sink|\.ape|gate\.bias)$")
 
 
 def random_model(cfg: V4Config, seed: int) -> Transformer:
@@ -118,7 +118,7 @@ def _tensors(model: Transformer, dtype: torch.dtype, quantize: str | None, scale
     out: dict[str, torch.Tensor] = {}
     for name, value in model.state_dict().items():
         value = value.detach().contiguous()
-        if value.dtype == torch.int64 or FLOAT32_ALWAYS.search(name):
+        if value.dtype == torch.int64 or FP32_PARAMETERS.search(name):
             out[name] = value
         elif quantize == "mxfp4" and ROUTED_EXPERT.search(name):
             packed, scale = quantize_mxfp4(value)

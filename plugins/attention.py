@@ -114,13 +114,16 @@ def RowsVisible(q_pos: INT64, row_ids: INT64, ratio: int) -> BOOL:
 
 @script(V4, default_opset=op)
 def AttendWithSink(q: FLOAT, keys: FLOAT, visible: BOOL, sink: FLOAT, scale: float) -> FLOAT:
-    logits = op.MatMul(q, op.Transpose(keys, perm=[0, 1, 3, 2])) * op.CastLike(scale, q)
-    logits = op.Where(op.Unsqueeze(visible, [2]), logits, op.CastLike(NEG_INF, q))
-    sinks = op.Expand(op.Reshape(sink, [1, 1, -1, 1]), op.Concat(op.Slice(op.Shape(logits), [0], [3]), [1], axis=0))
+    qf = op.Cast(q, to=FLOAT.dtype)                                # fp32 whatever the activation dtype
+    kf = op.Cast(keys, to=FLOAT.dtype)
+    logits = op.MatMul(qf, op.Transpose(kf, perm=[0, 1, 3, 2])) * op.CastLike(scale, qf)
+    logits = op.Where(op.Unsqueeze(visible, [2]), logits, op.CastLike(NEG_INF, qf))
+    sinks = op.Expand(op.Reshape(op.Cast(sink, to=FLOAT.dtype), [1, 1, -1, 1]),
+                      op.Concat(op.Slice(op.Shape(logits), [0], [3]), [1], axis=0))
     combined = op.Concat(logits, sinks, axis=-1)
     combined = combined - op.ReduceMax(combined, [-1], keepdims=1)
     probs = op.Slice(op.Softmax(combined, axis=-1), [0], [-1], [-1])
-    return op.MatMul(probs, keys)
+    return op.CastLike(op.MatMul(probs, kf), q)
 
 
 @script(V4, default_opset=op)

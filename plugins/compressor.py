@@ -92,10 +92,16 @@ def WindowSlots(kv: FLOAT, gate: FLOAT, first_pos: INT64, ratio: int, state_toke
 
 
 @script(V4, default_opset=op)
+def Pool(slot_kv: FLOAT, slot_gate: FLOAT) -> FLOAT:
+    """Softmax over the slots (axis 2), per channel, in fp32; weighted sum of the slot values."""
+    weights = op.Softmax(op.Cast(slot_gate, to=FLOAT.dtype), axis=2)
+    return op.CastLike(op.ReduceSum(op.Cast(slot_kv, to=FLOAT.dtype) * weights, [2], keepdims=0), slot_kv)
+
+
+@script(V4, default_opset=op)
 def HcaCompress(kv: FLOAT, gate: FLOAT, first_pos: INT64, ratio: int, state_tokens: int):
     slot_kv, slot_gate, row_ids = WindowSlots(kv, gate, first_pos, ratio=ratio, state_tokens=state_tokens, span=1)
-    weights = op.Softmax(slot_gate, axis=2)
-    return op.ReduceSum(slot_kv * weights, [2], keepdims=0), row_ids
+    return Pool(slot_kv, slot_gate), row_ids
 
 
 @script(V4, default_opset=op)
@@ -109,9 +115,8 @@ def CsaCompress(kv: FLOAT, gate: FLOAT, first_pos: INT64, ratio: int, state_toke
     cb_kv = op.Slice(op.Slice(slot_kv, m, big, [2]), d, big, [3])            # window w, second half
     ca_gate = op.Slice(op.Slice(slot_gate, zero, m, [2]), zero, d, [3])
     cb_gate = op.Slice(op.Slice(slot_gate, m, big, [2]), d, big, [3])
-    weights = op.Softmax(op.Concat(ca_gate, cb_gate, axis=2), axis=2)
-    return op.ReduceSum(op.Concat(ca_kv, cb_kv, axis=2) * weights, [2], keepdims=0), row_ids
+    return Pool(op.Concat(ca_kv, cb_kv, axis=2), op.Concat(ca_gate, cb_gate, axis=2)), row_ids
 
 
 PLUGIN_FUNCTIONS = (HcaCompress, CsaCompress)
-HELPER_FUNCTIONS = (WindowSlots,)
+HELPER_FUNCTIONS = (WindowSlots, Pool)

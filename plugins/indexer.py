@@ -39,9 +39,11 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key
 @script(V4, default_opset=op)
 def IndexerTopK(q: FLOAT, weights: FLOAT, keys: FLOAT, key_ids: INT64, q_pos: INT64, topk: int, ratio: int,
                 scale: float) -> INT64:
-    per_head = op.MatMul(q, op.Unsqueeze(op.Transpose(keys, perm=[0, 2, 1]), [1]))         # [B,S,h,R]
-    per_head = op.Relu(per_head) * op.CastLike(scale, q)
-    scores = op.ReduceSum(per_head * op.Unsqueeze(weights, [-1]), [2], keepdims=0)         # [B,S,R]
+    qf = op.Cast(q, to=FLOAT.dtype)                                                        # scored in fp32
+    kf = op.Cast(keys, to=FLOAT.dtype)
+    per_head = op.MatMul(qf, op.Unsqueeze(op.Transpose(kf, perm=[0, 2, 1]), [1]))          # [B,S,h,R]
+    per_head = op.Relu(per_head) * op.CastLike(scale, qf)
+    scores = op.ReduceSum(per_head * op.Unsqueeze(op.Cast(weights, to=FLOAT.dtype), [-1]), [2], keepdims=0)
     visible = RowsVisible(q_pos, key_ids, ratio=ratio)
     scores = op.Where(visible, scores, op.CastLike(NEG_INF, scores))
     k = op.Min(op.Reshape(op.CastLike(topk, key_ids), [1]), op.Shape(keys, start=1, end=2))

@@ -148,3 +148,30 @@ def test_ctrl_c_in_the_middle_of_a_build(tiny_checkpoint, tmp_path):
     assert proc.returncode != 0
     assert err.strip().splitlines()[-1].startswith("v4build: interrupted")
     assert not out.exists() and not list(tmp_path.glob(".out.building-*"))
+
+
+def test_bf16_engine_keeps_bf16_weights_in_place_without_casts(bf16_engine, tmp_path):
+    checkpoint, _, _ = bf16_engine
+    manifest = build(BuildOptions(checkpoint=checkpoint, output=tmp_path / "e", mtp=1, dtype="bf16", progress=False))
+    assert manifest.build["weights"]["in place + cast"] == 0 and manifest.build["weights"]["in place"] > 0
+    assert manifest.caches["target"][0]["value_bytes"] == 2
+    graph = onnx.load(tmp_path / "e" / "target.onnx", load_external_data=False)
+    assert graph.graph.input[0].name == "input_ids"
+    assert {i.type.tensor_type.elem_type for i in graph.graph.input[2:]} == {onnx.TensorProto.BFLOAT16}
+    if "not_loaded" in manifest.build["compile"]:
+        assert "bfloat16" in manifest.build["compile"]["not_loaded"]
+
+
+def test_fp16_engine_matches_the_fp32_model_within_fp16_rounding(bf16_engine, tmp_path):
+    checkpoint, _, _ = bf16_engine
+    manifest = build(BuildOptions(checkpoint=checkpoint, output=tmp_path / "e", mtp=0, dtype="fp16", progress=False))
+    model = load_model(checkpoint, mtp=False)
+    state = ModelState(model.cfg, 1)
+    ids = torch.randint(0, model.cfg.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(ids, state.positions(40), state.views()).logits.numpy()
+    feeds = {"input_ids": ids.numpy(), "positions": state.positions(40).numpy()}
+    for g in manifest.cache_groups("target"):
+        feeds[f"past.{g.layer}.{g.name}"] = getattr(state.views()[g.layer], g.name).numpy().astype(np.float16)
+    got = open_session(tmp_path / "e", manifest, "target").run(feeds)["logits"]
+    assert np.abs(got - want).max() <= 2e-2 * max(1.0, np.abs(want).max())

@@ -13,6 +13,7 @@ positions continuing, so no valid token ever sees it (everything is causal).
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +26,10 @@ from v4engine.plugins.indexer import indexer_topk
 from v4engine.runtime.config import CSA, HASH_MOE, HCA, SLIDING, V4Config
 
 from .rope import apply_rope, cos_sin, inv_freq
+
+
+# Parameters the checkpoint stores (and the model uses) in fp32 whatever the activation dtype.
+FP32_PARAMETERS = re.compile(r"(hc_\w+|attn_sink|\.ape|gate\.bias)$")
 
 
 # --------------------------------------------------------------------------- cache views and deltas
@@ -119,8 +124,9 @@ def hyper_connection(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
 
 
 def hyper_expand(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """X'_k = post_k * y + sum_j comb[j,k] * X_j."""
-    return post.to(x.dtype).unsqueeze(-1) * y.unsqueeze(-2) + torch.matmul(comb.to(x.dtype).transpose(-1, -2), x)
+    """X'_k = post_k * y + sum_j comb[j,k] * X_j, mixed in fp32 as the official code does."""
+    mixed = post.unsqueeze(-1) * y.float().unsqueeze(-2) + torch.matmul(comb.transpose(-1, -2), x.float())
+    return mixed.to(x.dtype)
 
 
 def hyper_head(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, cfg: V4Config
@@ -150,7 +156,7 @@ class Compressor(nn.Module):
                 rotary: Rotary) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns (rows [B,E,d], row_ids [B,E], new per-token values [B,S,C], new per-token gates [B,S,C])."""
         kv = self.wkv(x)
-        gate = self.wgate(x) + self.ape[torch.remainder(positions, self.ratio)]
+        gate = (self.wgate(x).float() + self.ape[torch.remainder(positions, self.ratio)].float()).to(x.dtype)
         first_pos = positions[:, 0] - self.state_tokens
         compress = csa_compress if self.overlap else hca_compress
         pooled, row_ids = compress(torch.cat([state_kv, kv], 1), torch.cat([state_gate, gate], 1), first_pos,
@@ -247,8 +253,8 @@ class Attention(nn.Module):
         # V = K carries rope on its trailing dims: de-rotate the output at the query position.
         o = apply_rope(o, cos, sin, inverse=True)
         groups = o.reshape(B, S, cfg.o_groups, H * d // cfg.o_groups)
-        wo_a = self.wo_a.weight.view(cfg.o_groups, cfg.o_lora_rank, -1)
-        o = torch.einsum("bsgi,gri->bsgr", groups, wo_a).flatten(2)
+        wo_a = self.wo_a.weight.view(cfg.o_groups, cfg.o_lora_rank, -1)       # one [rank, in] matrix per group
+        o = torch.matmul(groups.unsqueeze(-2), wo_a.transpose(-1, -2)).flatten(2)
         return self.wo_b(o), delta
 
 
@@ -262,10 +268,11 @@ class Expert(nn.Module):
         self.limit = limit
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-        h = F.silu(self.w1(x).clamp(max=self.limit)) * self.w3(x).clamp(-self.limit, self.limit)
-        if weight is not None:  # the reference scales by the routing weight before w2
-            h = h * weight.unsqueeze(-1).to(h.dtype)
-        return self.w2(h)
+        """SwiGLU in fp32; the official code scales by the routing weight before w2."""
+        h = F.silu(self.w1(x).float().clamp(max=self.limit)) * self.w3(x).float().clamp(-self.limit, self.limit)
+        if weight is not None:
+            h = h * weight.unsqueeze(-1)
+        return self.w2(h.to(x.dtype))
 
 
 class Gate(nn.Module):
@@ -308,10 +315,10 @@ class MoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         route = self.gate(flat, input_ids)
-        out = self.shared_experts(flat)
+        out = self.shared_experts(flat).float()                 # accumulated in fp32, as the official code does
         for e, expert in enumerate(self.experts):
-            out = out + expert(flat, route[:, e])
-        return out.view(shape)
+            out = out + expert(flat, route[:, e]).float()
+        return out.to(x.dtype).view(shape)
 
 
 # --------------------------------------------------------------------------- blocks and models
@@ -384,6 +391,12 @@ class Transformer(nn.Module):
         self.hc_head_base = nn.Parameter(torch.zeros(n))
         self.hc_head_scale = nn.Parameter(torch.ones(1))
         self.mtp = nn.ModuleList([MTPLayer(cfg)] if mtp else [])
+
+    def to_dtype(self, dtype: torch.dtype) -> "Transformer":
+        """Activations and most weights in `dtype`; the hc mixes, sinks, ape and router bias stay fp32 (as stored)."""
+        for name, p in self.named_parameters():
+            p.data = p.data.to(torch.float32 if FP32_PARAMETERS.search(name) else dtype)
+        return self
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[LayerCache]) -> ForwardOutput:
         """Target over new tokens: input_ids/positions [B,S] (positions consecutive per row), one cache per layer."""

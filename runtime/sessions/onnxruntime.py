@@ -12,16 +12,22 @@ from . import EngineSession
 
 class OnnxRuntimeSession(EngineSession):
     def __init__(self, engine_dir: str | Path, manifest: EngineManifest, graph: str, providers: list[str] | None = None,
-                 threads: int | None = None):
+                 threads: int | None = None, load_check: bool = False):
+        """`load_check`: only prove that ONNX Runtime loads and resolves the graph, with every weight left in
+        its memory-mapped file (no graph optimization, no prepacking): memory stays flat in the model size."""
         engine_dir = Path(engine_dir)
         entry = manifest.graphs[graph]
         options = ort.SessionOptions()
         if threads:
             options.intra_op_num_threads = threads
+        if load_check:
+            options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+            options.add_session_config_entry("session.disable_prepacking", "1")
+            options.add_session_config_entry("session.use_external_initializer_file_buffers_directly", "1")
         # ONNX Runtime refuses external data that resolves outside the model folder, so weight files that are
         # symlinks into the checkpoint are handed over as memory maps (no copy of the file is made).
         mapped = [(w.file, np.memmap(engine_dir / w.file, dtype=np.uint8, mode="r"))
-                  for w in manifest.weights if (engine_dir / w.file).is_symlink()]
+                  for w in manifest.weights if load_check or (engine_dir / w.file).is_symlink()]
         if mapped:
             options.add_external_initializers_from_files_in_memory(
                 [name for name, _ in mapped], [m for _, m in mapped], [m.nbytes for _, m in mapped])

@@ -12,6 +12,9 @@ initializer afterwards (builder/weights.py), pointing into the checkpoint files.
 """
 from __future__ import annotations
 
+import logging
+import warnings
+
 import onnx_ir as ir
 import torch
 from torch import nn
@@ -123,9 +126,12 @@ def export_graph(cfg: V4Config, draft: bool, dtype: torch.dtype = torch.float32,
     sizes = {"batch": 2, "seq": 2 * max(cfg.compress_rates.values()) + 3, "rows_csa": 3, "rows_hca": 2}
     examples = tuple(_example(s, sizes) for s in inputs)
     dynamic = tuple({i: dims[d] for i, d in enumerate(s.shape) if isinstance(d, str)} or None for s in inputs)
-    program = torch.onnx.export(_Graph(model, draft), examples, dynamo=True, opset_version=OPSET, optimize=False,
-                                input_names=[s.name for s in inputs], output_names=[s.name for s in outputs],
-                                dynamic_shapes=(dynamic,), verbose=False)
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)  # torchvision absent
+    with warnings.catch_warnings():     # the exporter's own deprecation chatter; our checks follow the export
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(_Graph(model, draft).eval(), examples, dynamo=True, opset_version=OPSET,
+                                    optimize=False, input_names=[s.name for s in inputs],
+                                    output_names=[s.name for s in outputs], dynamic_shapes=(dynamic,), verbose=False)
     return program.model
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import sysconfig
 import venv
 from pathlib import Path
 
@@ -16,6 +17,11 @@ def test_built_wheel_imports_in_a_fresh_venv(tmp_path):
     venv.create(tmp_path / "env", with_pip=True)
     python = tmp_path / "env" / "bin" / "python"
     subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", str(wheel)], check=True, timeout=300)
+    # The dependencies (torch, onnx, ...) come from this environment, appended after the fresh one's own
+    # site-packages, so v4engine itself can only come from the wheel.
+    fresh_site = Path(subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                     check=True, capture_output=True, text=True).stdout.strip())
+    (fresh_site / "zz_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     probe = ("import v4engine.builder, v4engine.plugins, v4engine.runtime, sys; "
              "from v4engine.runtime import V4Config; print(v4engine.runtime.__file__)")
     out = subprocess.run([python, "-c", probe], check=True, capture_output=True, text=True, cwd=tmp_path, timeout=60)

@@ -19,7 +19,7 @@ def _make_tiny(args: argparse.Namespace) -> None:
     from .tiny import make_tiny
 
     out = make_tiny(args.out, config=args.config, seed=args.seed, quantize=args.quantize, names=args.names,
-                    dtype=args.dtype, shards=args.shards, mtp=not args.no_mtp)
+                    dtype=args.dtype, shards=args.shards, mtp=not args.no_mtp, agree=args.agree)
     print(f"wrote tiny checkpoint '{args.config}' to {out}")
 
 
@@ -114,6 +114,9 @@ def tools_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     t.add_argument("--shards", type=int, default=2, help="number of safetensors files (default 2; mtp.0.* in the last)")
     t.add_argument("--no-mtp", action="store_true", help="leave out the mtp.0.* draft layer")
+    t.add_argument("--agree", type=float, default=None, metavar="ALPHA",
+                   help="make the MTP layer mostly agree with the target by construction (block outputs scaled by "
+                   "ALPHA, e.g. 0.1; the MTP reads only the next token), so that drafts are often accepted")
     t.set_defaults(run=_make_tiny)
 
     c = sub.add_parser("check", help="read a checkpoint and check every tensor against config.json",

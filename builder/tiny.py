@@ -61,8 +61,14 @@ FP8_WEIGHTS = re.compile(r"\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_
 ROUTED_EXPERT = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
 
 
-def random_model(cfg: V4Config, seed: int) -> Transformer:
-    """Seeded weights of a plausible scale: unit-variance activations, routers that disagree, live sinks."""
+def random_model(cfg: V4Config, seed: int, agree: float | None = None) -> Transformer:
+    """Seeded weights of a plausible scale: unit-variance activations, routers that disagree, live sinks.
+
+    `agree` (e.g. 0.1) builds an MTP layer that mostly predicts what the target will: every block's output
+    projections are scaled by `agree`, so the target is close to a bigram model head(norm(emb(t))), and the
+    MTP layer reads only emb(t_{i+1}) (e_proj = I, h_proj = 0), which makes it the same bigram one step
+    ahead. Context still moves both a little, so drafts are accepted often but not always, and every cache
+    path (accept, reject, rollback) is exercised with outputs that depend on the caches."""
     gen = torch.Generator().manual_seed(seed)
     model = Transformer(cfg, mtp=True)
     with torch.no_grad():
@@ -73,6 +79,15 @@ def random_model(cfg: V4Config, seed: int) -> Transformer:
                 p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
             else:
                 p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+        if agree is not None:
+            model.embed.weight.mul_(cfg.hidden_size ** 0.5)            # embeddings of unit RMS dominate the stream
+            for name, p in model.named_parameters():
+                if re.search(r"(attn\.wo_b|ffn\.experts\.\d+\.w2|ffn\.shared_experts\.w2)\.weight$", name):
+                    p.mul_(agree)
+            mtp = model.mtp[0]
+            mtp.e_proj.weight.copy_(torch.eye(cfg.hidden_size))
+            mtp.h_proj.weight.zero_()
+            mtp.enorm.weight.fill_(1.0)
         for name, buf in model.named_buffers():
             if name.endswith("tid2eid"):
                 rows = [torch.randperm(cfg.n_routed_experts, generator=gen)[: cfg.num_experts_per_tok]
@@ -137,13 +152,14 @@ def _tensors(model: Transformer, dtype: torch.dtype, quantize: str | None, scale
 
 
 def make_tiny(out: str | Path, config: str = "mixed", seed: int = 0, quantize: str | None = None,
-              names: str = "official", dtype: str = "float32", shards: int = 2, mtp: bool = True) -> Path:
+              names: str = "official", dtype: str = "float32", shards: int = 2, mtp: bool = True,
+              agree: float | None = None) -> Path:
     """Write a tiny checkpoint folder; returns its path. Built in a temporary folder, renamed at the end."""
     if config not in TINY_CONFIGS:
         raise ConfigError(f"unknown tiny config {config!r}; choose one of {sorted(TINY_CONFIGS)}")
     raw = dict(TINY_CONFIGS[config], torch_dtype=dtype)
     cfg = V4Config.from_dict(raw, source=f"tiny config {config}")
-    model = random_model(cfg, seed)
+    model = random_model(cfg, seed, agree)
     tensors = _tensors(model, getattr(torch, dtype), quantize, "scale" if names == "official" else "weight_scale_inv")
     if not mtp:
         tensors = {k: v for k, v in tensors.items() if not k.startswith("mtp.")}

@@ -23,3 +23,24 @@ def tiny_checkpoint(tmp_path_factory):
         return made[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_checkpoint, tmp_path_factory):
+    """tiny_engine(config, mtp=3, **checkpoint options) -> (checkpoint folder, engine folder), built once.
+
+    Checkpoints use transformers' names so that the same folder also feeds the transformers oracle."""
+    from v4engine.builder.build import BuildOptions, build
+
+    made: dict[tuple, tuple[Path, Path]] = {}
+
+    def make(config: str = "mixed", mtp: int = 3, **options) -> tuple[Path, Path]:
+        key = (config, mtp, tuple(sorted(options.items())))
+        if key not in made:
+            checkpoint = tiny_checkpoint(config, names="hf", **options)
+            out = tmp_path_factory.mktemp("engine") / config
+            build(BuildOptions(checkpoint=checkpoint, output=out, mtp=mtp, progress=False))
+            made[key] = (checkpoint, out)
+        return made[key]
+
+    return make

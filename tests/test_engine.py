@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 import torch
 
-from v4engine.builder.build import BuildOptions, build
 from v4engine.builder.load import load_model
 from v4engine.builder.model import ModelState
 from v4engine.builder.tiny import TINY_CONFIGS
@@ -18,10 +17,9 @@ MTP = 3
 
 
 @pytest.fixture(scope="module", params=sorted(TINY_CONFIGS))
-def engine(request, tiny_checkpoint, tmp_path_factory):
-    checkpoint = tiny_checkpoint(request.param)
-    out = tmp_path_factory.mktemp("engine") / request.param
-    manifest = build(BuildOptions(checkpoint=checkpoint, output=out, mtp=MTP, progress=False))
+def engine(request, tiny_engine):
+    checkpoint, out = tiny_engine(request.param, mtp=MTP)
+    manifest = EngineManifest.read(out)
     model = load_model(checkpoint, mtp=True)
     sessions = {g: open_session(out, manifest, g) for g in manifest.graphs}
     return model, manifest, sessions

@@ -1,0 +1,83 @@
+"""Grouped caches with exact rollback: one preallocated buffer per cache group per sequence.
+
+Groups and their sizes come from engine.json (V4Config.cache_groups): the sliding window and the compressor's
+partial windows are rings of `rows_fixed` rows indexed by position (at least window + k slots, so a
+rolled-back draft tail never overwrites a row a later query still sees); compressed rows and index keys grow
+one row per `ratio` tokens up to the sequence's capacity. The engine never writes caches: it returns deltas,
+and `commit(n)` keeps the first n new positions. Rollback is committing fewer, or `truncate`.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .config import SLIDING, CacheGroup, V4Config
+
+STATE_GROUPS = ("compressor_kv", "compressor_gate", "indexer_kv", "indexer_gate")
+ROW_GROUPS = ("compressed_kv", "index_keys")
+NUMPY_DTYPES = {"fp32": np.float32, "fp16": np.float16}
+
+
+def view_rows(cfg: V4Config, group: CacheGroup) -> int:
+    """Rows of past the engine reads for a per-position group: the window's W-1, or the partial windows'."""
+    if group.name == "window_kv":
+        return cfg.sliding_window - 1
+    kind = SLIDING if group.layer >= cfg.num_hidden_layers else cfg.layer_types[group.layer]
+    return cfg.state_tokens(kind)
+
+
+class SequenceCache:
+    """All cache groups of one part (target or draft) of one sequence, sized for `capacity` tokens."""
+
+    def __init__(self, cfg: V4Config, groups: list[CacheGroup], capacity: int, dtype: type):
+        self.cfg, self.groups, self.capacity = cfg, groups, capacity
+        self.length = 0
+        self.buffers = {(g.layer, g.name): np.zeros((g.rows_for(capacity), g.width), dtype=dtype) for g in groups}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers.values())
+
+    def past(self, group: CacheGroup) -> np.ndarray:
+        """What the engine reads for `group`: the last rows before `length` (zeros before position 0), or the
+        compressed rows closed so far."""
+        buf = self.buffers[(group.layer, group.name)]
+        if group.ratio:
+            return buf[: self.length // group.ratio]
+        n = view_rows(self.cfg, group)
+        positions = np.arange(self.length - n, self.length)
+        rows = buf[positions % buf.shape[0]]
+        rows[positions < 0] = 0
+        return rows
+
+    def commit(self, deltas: dict[tuple[int, str], np.ndarray], n: int) -> None:
+        """Append the first n new positions (deltas of this sequence's row, per group)."""
+        if self.length + n > self.capacity:
+            raise ValueError(f"cache overflow: {self.length} + {n} > capacity {self.capacity}")
+        for g in self.groups:
+            new = deltas[(g.layer, g.name)]
+            buf = self.buffers[(g.layer, g.name)]
+            if g.ratio:      # the rows of windows closed within the committed positions
+                first, last = self.length // g.ratio, (self.length + n) // g.ratio
+                buf[first:last] = new[: last - first]
+            else:
+                buf[np.arange(self.length, self.length + n) % buf.shape[0]] = new[:n]
+        self.length += n
+
+    def truncate(self, length: int) -> None:
+        """Forget positions >= length (their ring slots and rows are simply overwritten later)."""
+        if length > self.length:
+            raise ValueError(f"cannot truncate a cache of {self.length} positions to {length}")
+        self.length = length
+
+
+def batch_views(caches: list[SequenceCache], groups: list[CacheGroup]) -> dict[str, np.ndarray]:
+    """The `past.{layer}.{name}` inputs of one engine call over these sequences (compressed rows padded)."""
+    feeds = {}
+    for g in groups:
+        parts = [c.past(g) for c in caches]
+        if g.ratio:
+            rows = max(p.shape[0] for p in parts)
+            parts = [np.concatenate([p, np.zeros((rows - p.shape[0], g.width), p.dtype)]) if p.shape[0] < rows else p
+                     for p in parts]
+        feeds[f"past.{g.layer}.{g.name}"] = np.stack(parts)
+    return feeds

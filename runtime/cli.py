@@ -1,0 +1,79 @@
+"""The `v4generate` command line: generate from an engine directory with MTP drafting.
+
+    v4generate ENGINE_DIR --prompt TEXT | --prompt-ids 1,2,3 [--max-new-tokens N] [--temperature T]
+               [--top-p P] [--top-k K] [--seed S] [--mtp K] [--stream] [--json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .errors import V4EngineError
+from .generator import Generator
+from .sampling import SamplingParams
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="v4generate", description="Generate from a v4engine engine directory, drafting "
+                                "with the MTP layer and verifying with the target (lossless).")
+    p.add_argument("engine_dir", type=Path, help="engine directory built by v4build")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text (needs the engine's tokenizer.json)")
+    src.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples losslessly")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = all)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--mtp", type=int, default=None, help="draft tokens per step (0..the engine's k; default: k)")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
+    p.add_argument("--stream", action="store_true", help="print tokens as they are accepted")
+    p.add_argument("--json", action="store_true", help="print one JSON object: token_ids, text, metrics")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        prompt = args.prompt
+        if args.prompt_ids is not None:
+            try:
+                prompt = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+            except ValueError:
+                raise V4EngineError(f"--prompt-ids must be comma-separated integers (got {args.prompt_ids!r})")
+        generator = Generator.from_engine_dir(args.engine_dir, mtp=args.mtp)
+        sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                  top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=tuple(args.stop),
+                                  ignore_eos=args.ignore_eos)
+        if args.stream and not args.json:
+            ids: list[int] = []
+            for chunk in generator.stream(prompt, sampling):
+                ids += chunk
+                text = generator.decode(chunk)
+                print(text if text is not None else " ".join(map(str, chunk)), end="" if text is not None else " ",
+                      flush=True)
+            print()
+            print(generator.totals.table())
+            return 0
+        [result] = generator.generate([prompt], sampling)
+    except V4EngineError as e:
+        print(f"v4generate: error: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        metrics = {k: result.metrics[k] for k in ("drafted", "accepted", "acceptance_rate", "mean_acceptance_length",
+                                                   "per_position_acceptance", "verify_steps",
+                                                   "time_to_first_token", "tokens_per_second")}
+        print(json.dumps({"token_ids": result.token_ids, "text": result.text, "finish_reason": result.finish_reason,
+                          "metrics": metrics}))
+    else:
+        print(result.text if result.text is not None else " ".join(map(str, result.token_ids)))
+        print()
+        print(generator.totals.table())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

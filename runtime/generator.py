@@ -1,0 +1,118 @@
+"""The user-facing API: load an engine directory and generate, drafting with the MTP layer.
+
+    gen = Generator.from_engine_dir("out/engine")
+    [result] = gen.generate(["def fib(n):"], SamplingParams(max_new_tokens=32))
+    print(result.text, result.metrics["mean_acceptance_length"])
+    for token_ids in gen.stream("def fib(n):", SamplingParams(max_new_tokens=32)): ...
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from .engine import EngineManifest
+from .metrics import RequestMetrics
+from .sampling import RequestError, SamplingParams
+from .scheduler import Request, Scheduler
+from .sessions import open_session
+
+Prompt = str | Sequence[int]
+
+
+@dataclass
+class GenerationResult:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str
+    metrics: dict
+
+
+class Generator:
+    def __init__(self, engine_dir: Path, manifest: EngineManifest, scheduler: Scheduler, tokenizer=None):
+        self.engine_dir, self.manifest, self.scheduler, self.tokenizer = engine_dir, manifest, scheduler, tokenizer
+        self.totals = RequestMetrics(mtp=scheduler.mtp)
+
+    @classmethod
+    def from_engine_dir(cls, path: str | Path, backend: str | None = None, mtp: int | None = None,
+                        max_batch: int = 8, max_seq_len: int | None = None, max_cache_bytes: int | None = None,
+                        max_prefill_chunk: int = 512, threads: int | None = None) -> "Generator":
+        """Open an engine directory. mtp (<= the engine's k, 0 disables drafting) defaults to the engine's."""
+        path = Path(path)
+        manifest = EngineManifest.read(path)
+        if backend is not None and backend != manifest.backend:
+            raise RequestError(f"{path} is a {manifest.backend} engine; it cannot run on backend {backend!r}")
+        mtp = manifest.mtp if mtp is None else mtp
+        if not 0 <= mtp <= manifest.mtp:
+            raise RequestError(f"mtp must be between 0 and the engine's {manifest.mtp} (got {mtp})")
+        options = {"threads": threads} if threads else {}
+        target = open_session(path, manifest, "target", **options)
+        draft = open_session(path, manifest, "draft", **options) if mtp else None
+        scheduler = Scheduler(manifest, target, draft, mtp, max_batch=max_batch,
+                              max_seq_len=max_seq_len or manifest.build.get("max_seq_len", 4096),
+                              max_cache_bytes=max_cache_bytes, max_prefill_chunk=max_prefill_chunk)
+        tokenizer = None
+        if (path / "tokenizer.json").is_file():
+            from tokenizers import Tokenizer
+
+            tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+        return cls(path, manifest, scheduler, tokenizer)
+
+    # ------------------------------------------------------------------ prompts and text
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError(f"{self.engine_dir} has no tokenizer.json; pass token ids instead of text")
+            return self.tokenizer.encode(prompt, add_special_tokens=False).ids
+        return [int(t) for t in prompt]
+
+    def decode(self, ids: list[int]) -> str | None:
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else None
+
+    def _submit(self, prompt: Prompt, sampling: SamplingParams) -> Request:
+        request = self.scheduler.submit(self.encode(prompt), sampling)
+        if sampling.stop and self.tokenizer is not None:
+            request.stop_check = lambda ids: any(s in self.tokenizer.decode(ids) for s in sampling.stop)
+        return request
+
+    def _result(self, r: Request) -> GenerationResult:
+        ids = r.generated
+        text = self.decode(ids)
+        if text is not None and r.params.stop:       # the text ends before the first stop string
+            cut = min((text.find(s) for s in r.params.stop if s in text), default=-1)
+            text = text[:cut] if cut >= 0 else text
+        self.totals.merge(r.metrics)
+        return GenerationResult(r.prompt, ids, text, r.finish_reason or "", r.metrics.to_dict())
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling: SamplingParams | Sequence[SamplingParams] | None = None) -> list[GenerationResult]:
+        """Generate for every prompt (text or token ids), batched together; results in prompt order.
+
+        `sampling` is one SamplingParams for all prompts or one per prompt. A bad prompt raises RequestError
+        before anything is queued."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling is None or isinstance(sampling, SamplingParams):
+            sampling = [sampling or SamplingParams()] * len(prompts)
+        for p, s in zip(prompts, sampling):       # everything checked before anything is queued
+            self.scheduler.validate(self.encode(p), s)
+        requests = [self._submit(p, s) for p, s in zip(prompts, sampling)]
+        while any(r.finish_reason is None for r in requests):
+            self.scheduler.step()
+        return [self._result(r) for r in requests]
+
+    def stream(self, prompt: Prompt, sampling: SamplingParams | None = None) -> Iterator[list[int]]:
+        """Yield the token ids each step accepts (one to k+1 at a time) until the request finishes."""
+        request = self._submit(prompt, sampling or SamplingParams())
+        try:
+            while request.finish_reason is None:
+                step = self.scheduler.step()
+                if step.new_tokens.get(request.id):
+                    yield step.new_tokens[request.id]
+        finally:
+            if request.finish_reason is None:
+                self.scheduler.cancel(request)
+            else:
+                self.totals.merge(request.metrics)

@@ -1,0 +1,78 @@
+"""Acceptance and speed metrics, named as vLLM and TensorRT-LLM name them.
+
+acceptance_rate = accepted / drafted; mean_acceptance_length = tokens per verify step including the bonus
+token = (accepted + verify_steps) / verify_steps; per_position_acceptance[i] = share of verify steps whose
+draft i+1 was accepted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestMetrics:
+    mtp: int
+    drafted: int = 0
+    accepted: int = 0
+    verify_steps: int = 0
+    accepted_at: list[int] = field(default_factory=list)     # per draft position: verify steps that accepted it
+    accepted_per_step: list[int] = field(default_factory=list)
+    generated: int = 0
+    time_to_first_token: float | None = None
+    seconds: float = 0.0
+    engine_seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.accepted_at = self.accepted_at or [0] * self.mtp
+
+    def record_verify(self, drafted: int, accepted: int) -> None:
+        self.verify_steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.accepted_per_step.append(accepted)
+        for i in range(accepted):
+            self.accepted_at[i] += 1
+
+    def merge(self, other: "RequestMetrics") -> None:
+        self.drafted += other.drafted
+        self.accepted += other.accepted
+        self.verify_steps += other.verify_steps
+        self.accepted_at = [a + b for a, b in zip(self.accepted_at, other.accepted_at)]
+        self.generated += other.generated
+        self.seconds += other.seconds
+        self.engine_seconds += other.engine_seconds
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return (self.accepted + self.verify_steps) / self.verify_steps if self.verify_steps else 0.0
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        return [a / self.verify_steps if self.verify_steps else 0.0 for a in self.accepted_at]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated / self.seconds if self.seconds else 0.0
+
+    def to_dict(self) -> dict:
+        return {"drafted": self.drafted, "accepted": self.accepted, "acceptance_rate": self.acceptance_rate,
+                "accepted_per_step": list(self.accepted_per_step),
+                "mean_acceptance_length": self.mean_acceptance_length,
+                "per_position_acceptance": self.per_position_acceptance, "verify_steps": self.verify_steps,
+                "generated_tokens": self.generated, "time_to_first_token": self.time_to_first_token,
+                "tokens_per_second": self.tokens_per_second, "engine_seconds": self.engine_seconds,
+                "host_seconds": max(0.0, self.seconds - self.engine_seconds)}
+
+    def table(self) -> str:
+        """A small acceptance table for people."""
+        rows = [("drafted tokens", f"{self.drafted}"), ("accepted tokens", f"{self.accepted}"),
+                ("acceptance rate", f"{self.acceptance_rate:.2f}"),
+                ("mean acceptance length", f"{self.mean_acceptance_length:.2f}"),
+                ("per-position acceptance", " / ".join(f"{a:.2f}" for a in self.per_position_acceptance) or "-"),
+                ("verify steps", f"{self.verify_steps}"), ("tokens/s", f"{self.tokens_per_second:.1f}")]
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

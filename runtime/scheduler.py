@@ -1,0 +1,306 @@
+"""Continuous batching with MTP speculative decoding (DESIGN.md, "The speculative cycle").
+
+Every request carries its phase; one engine call may hold rows in different phases (a prefill chunk beside
+verify rows), each handled by its own phase and length, never by the shape of the batch.
+
+One scheduler step:
+1. admit waiting requests whose caches fit the budget (engine.json's bytes, exactly);
+2. DRAFT-EXTEND + DRAFT for decoding requests: the MTP layer over the positions the target committed since
+   the last draft (the whole prompt on the first cycle), fed (H_i, t_{i+1}); its last row gives d1, then k-1
+   single-row steps on its own streams give d2..dk; the draft cache then rolls back to the committed length;
+3. one target call over every active row: the next prefill chunk, or VERIFY [t, d1..dk];
+4. COMMIT: prefill rows commit the chunk; verify rows accept j drafts + 1 token (greedy or lossless
+   sampling) and commit j+1 positions; stop conditions end requests, whose caches are released.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+
+from .cache import NUMPY_DTYPES, SequenceCache, batch_views
+from .engine import EngineManifest
+from .errors import V4EngineError
+from .metrics import RequestMetrics
+from .sampling import RequestError, SamplingParams, accept_greedy, accept_sampled, distribution, draw
+from .sessions import EngineSession
+
+
+class CapacityError(RequestError):
+    """The request's caches can never fit the configured budget."""
+
+
+class Phase(Enum):
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    capacity: int
+    cache_bytes: int
+    metrics: RequestMetrics
+    rng: np.random.Generator
+    phase: Phase = Phase.WAITING
+    tokens: list[int] = field(default_factory=list)
+    target: SequenceCache | None = None
+    draft: SequenceCache | None = None
+    pending_hidden: list[np.ndarray] = field(default_factory=list)   # streams of positions [draft.length, target.length)
+    drafts: list[int] = field(default_factory=list)
+    draft_probs: list[np.ndarray] = field(default_factory=list)
+    finish_reason: str | None = None
+    started: float = 0.0
+    stop_check: object = None          # callable(generated ids) -> bool, for stop strings (set by the Generator)
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[len(self.prompt):]
+
+
+@dataclass
+class StepResult:
+    """Tokens each request gained in one step (for streaming), and the requests that finished."""
+
+    new_tokens: dict[int, list[int]]
+    finished: list[Request]
+
+
+class Scheduler:
+    def __init__(self, manifest: EngineManifest, target: EngineSession, draft: EngineSession | None, mtp: int,
+                 max_batch: int, max_seq_len: int, max_cache_bytes: int | None = None, max_prefill_chunk: int = 512):
+        if mtp > manifest.mtp:
+            raise V4EngineError(f"mtp {mtp} is more than the engine was built for ({manifest.mtp})")
+        if mtp > 0 and draft is None:
+            raise V4EngineError("mtp > 0 needs the engine's draft graph")
+        self.manifest, self.cfg = manifest, manifest.model
+        self.target_session, self.draft_session = target, draft
+        self.mtp, self.max_batch, self.max_seq_len = mtp, max_batch, max_seq_len
+        self.max_prefill_chunk = max_prefill_chunk
+        self.dtype = NUMPY_DTYPES.get(manifest.dtype)
+        if self.dtype is None:
+            raise V4EngineError(f"engine dtype {manifest.dtype} cannot run in the numpy runtime on this machine")
+        self.groups = {part: manifest.cache_groups(part) for part in manifest.caches}
+        self.budget = max_cache_bytes if max_cache_bytes is not None else max_batch * self.cache_bytes(max_seq_len)
+        self.waiting: list[Request] = []
+        self.active: list[Request] = []
+        self._ids = itertools.count()
+        self.engine_steps = 0
+
+    # ------------------------------------------------------------------ requests
+    def cache_bytes(self, capacity: int) -> int:
+        """Bytes of every cache group one sequence of `capacity` tokens needs (engine.json's figures)."""
+        parts = ["target"] + (["draft"] if self.mtp else [])
+        return sum(g.bytes_for(capacity) for part in parts for g in self.groups[part])
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(r.cache_bytes for r in self.active)
+
+    def validate(self, prompt: list[int], params: SamplingParams) -> int:
+        """Raise RequestError (a one-line reason) if the request cannot be served; else its cache capacity."""
+        params.validate()
+        if not prompt:
+            raise RequestError("the prompt is empty")
+        bad = [t for t in prompt if not (0 <= int(t) < self.cfg.vocab_size)]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
+        if len(prompt) >= self.max_seq_len:
+            raise RequestError(f"the prompt has {len(prompt)} tokens; this engine serves at most "
+                               f"{self.max_seq_len - 1} prompt tokens (max_seq_len {self.max_seq_len})")
+        capacity = min(self.max_seq_len, len(prompt) + params.max_new_tokens + self.mtp + 1)
+        need = self.cache_bytes(capacity)
+        if need > self.budget:
+            raise CapacityError(f"the request needs {need} bytes of cache for {capacity} tokens, more than the "
+                                f"budget of {self.budget} bytes")
+        return capacity
+
+    def submit(self, prompt: list[int], params: SamplingParams) -> Request:
+        """Validate and queue a request; a bad one raises RequestError and changes nothing."""
+        capacity = self.validate(prompt, params)
+        need = self.cache_bytes(capacity)
+        request = Request(id=next(self._ids), prompt=[int(t) for t in prompt], params=params, capacity=capacity,
+                          cache_bytes=need, metrics=RequestMetrics(mtp=self.mtp),
+                          rng=np.random.default_rng(params.seed), tokens=[int(t) for t in prompt])
+        self.waiting.append(request)
+        return request
+
+    def cancel(self, request: Request) -> None:
+        if request in self.waiting:
+            self.waiting.remove(request)
+        self._finish(request, "cancelled")
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.active)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> StepResult:
+        started = time.perf_counter()
+        self._admit()
+        new_tokens: dict[int, list[int]] = {}
+        finished: list[Request] = []
+        engine = 0.0
+        if self.mtp:
+            engine += self._draft([r for r in self.active if r.phase == Phase.DECODE and not r.drafts])
+        rows = [r for r in self.active if r.phase in (Phase.PREFILL, Phase.DECODE)]
+        if rows:
+            engine += self._target(rows, new_tokens)
+        for r in list(self.active):
+            if r.phase == Phase.FINISHED:
+                finished.append(r)
+        self.active = [r for r in self.active if r.phase != Phase.FINISHED]
+        elapsed = time.perf_counter() - started
+        for r in rows:                      # share the step's time among the rows that took part
+            r.metrics.seconds += elapsed / len(rows)
+            r.metrics.engine_seconds += engine / len(rows)
+        return StepResult(new_tokens, finished)
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.active) < self.max_batch:
+            request = self.waiting[0]
+            if self.used_bytes + request.cache_bytes > self.budget:
+                break
+            self.waiting.pop(0)
+            request.target = SequenceCache(self.cfg, self.groups["target"], request.capacity, self.dtype)
+            if self.mtp:
+                request.draft = SequenceCache(self.cfg, self.groups["draft"], request.capacity + self.mtp, self.dtype)
+            request.phase = Phase.PREFILL
+            request.started = time.perf_counter()
+            self.active.append(request)
+
+    def _run(self, session: EngineSession, feeds: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], float]:
+        started = time.perf_counter()
+        out = session.run(feeds)
+        self.engine_steps += 1
+        return out, time.perf_counter() - started
+
+    def _draft_call(self, requests: list[Request], hidden: list[np.ndarray], ids: list[list[int]]
+                    ) -> tuple[dict[str, np.ndarray], float]:
+        S = max(len(t) for t in ids)
+        B = len(requests)
+        N, D = self.cfg.hc_mult, self.cfg.hidden_size
+        h = np.zeros((B, S, N, D), self.dtype)
+        tok = np.zeros((B, S), np.int64)
+        for b, (rows, t) in enumerate(zip(hidden, ids)):
+            h[b, : len(t)] = rows
+            tok[b, : len(t)] = t
+        positions = np.array([r.draft.length for r in requests])[:, None] + np.arange(S)
+        feeds = {"hidden": h, "input_ids": tok, "positions": positions,
+                 **batch_views([r.draft for r in requests], self.groups["draft"])}
+        return self._run(self.draft_session, feeds)
+
+    def _deltas(self, out: dict[str, np.ndarray], part: str, b: int) -> dict[tuple[int, str], np.ndarray]:
+        return {(g.layer, g.name): out[f"new.{g.layer}.{g.name}"][b] for g in self.groups[part]}
+
+    def _draft(self, requests: list[Request]) -> float:
+        """DRAFT-EXTEND over the newly committed positions, then k-1 recursive DRAFT steps; drafts d1..dk."""
+        if not requests:
+            return 0.0
+        hidden = [np.concatenate(r.pending_hidden) for r in requests]
+        ids = [r.tokens[r.draft.length + 1: r.target.length + 1] for r in requests]
+        out, engine = self._draft_call(requests, hidden, ids)
+        last_h = []
+        for b, r in enumerate(requests):
+            n = len(ids[b])
+            r.draft.commit(self._deltas(out, "draft", b), n)
+            r.pending_hidden = []
+            self._propose(r, out["logits"][b, n - 1])
+            last_h.append(out["next_hidden"][b, n - 1: n])
+        for _ in range(self.mtp - 1):
+            out, t = self._draft_call(requests, last_h, [[r.drafts[-1]] for r in requests])
+            engine += t
+            for b, r in enumerate(requests):
+                r.draft.commit(self._deltas(out, "draft", b), 1)          # kept only while drafting
+                self._propose(r, out["logits"][b, 0])
+                last_h[b] = out["next_hidden"][b, 0:1]
+        for r in requests:
+            r.draft.truncate(r.target.length)                           # drafted rows are rewritten from true streams
+        return engine
+
+    def _propose(self, r: Request, logits: np.ndarray) -> None:
+        if r.params.greedy:
+            r.drafts.append(int(logits.argmax()))
+        else:
+            q = distribution(logits, r.params)
+            r.drafts.append(draw(q, r.rng))
+            r.draft_probs.append(q)
+
+    def _target(self, rows: list[Request], new_tokens: dict[int, list[int]]) -> float:
+        """One target call: a prefill chunk or [t, d1..dk] per row; then acceptance and commit."""
+        inputs = []
+        for r in rows:
+            if r.phase == Phase.PREFILL:
+                inputs.append(r.prompt[r.target.length: r.target.length + self.max_prefill_chunk])
+            else:
+                inputs.append([r.tokens[-1]] + r.drafts)
+        S = max(len(x) for x in inputs)
+        ids = np.zeros((len(rows), S), np.int64)
+        for b, x in enumerate(inputs):
+            ids[b, : len(x)] = x
+        positions = np.array([r.target.length for r in rows])[:, None] + np.arange(S)
+        feeds = {"input_ids": ids, "positions": positions, **batch_views([r.target for r in rows],
+                                                                            self.groups["target"])}
+        out, engine = self._run(self.target_session, feeds)
+        for b, (r, x) in enumerate(zip(rows, inputs)):
+            deltas = self._deltas(out, "target", b)
+            logits, hidden = out["logits"][b, : len(x)], out["hidden"][b, : len(x)]
+            if r.phase == Phase.PREFILL:
+                r.target.commit(deltas, len(x))
+                r.pending_hidden.append(hidden)
+                if r.target.length == len(r.prompt):
+                    r.phase = Phase.DECODE
+                    r.metrics.time_to_first_token = time.perf_counter() - r.started
+                    token = self._sample(r, logits[-1])
+                    self._emit(r, [token], new_tokens)
+                continue
+            drafts = r.drafts
+            if r.params.greedy:
+                accepted, token = accept_greedy(logits, drafts)
+            else:
+                accepted, token = accept_sampled(distribution(logits, r.params), np.array(r.draft_probs).reshape(
+                    len(drafts), -1), drafts, r.rng)
+            if drafts:
+                r.metrics.record_verify(len(drafts), accepted)
+            r.target.commit(deltas, accepted + 1)
+            r.pending_hidden.append(hidden[: accepted + 1])
+            r.drafts, r.draft_probs = [], []
+            self._emit(r, drafts[:accepted] + [token], new_tokens)
+        return engine
+
+    def _sample(self, r: Request, logits: np.ndarray) -> int:
+        if r.params.greedy:
+            return int(logits.argmax())
+        return draw(distribution(logits, r.params), r.rng)
+
+    def _emit(self, r: Request, tokens: list[int], new_tokens: dict[int, list[int]]) -> None:
+        """Append generated tokens up to a stop condition; finish the request when one is met."""
+        stops = set(r.params.stop_token_ids)
+        if not r.params.ignore_eos and self.cfg.eos_token_id is not None:
+            stops |= set(self.cfg.eos_token_id if isinstance(self.cfg.eos_token_id, list) else [self.cfg.eos_token_id])
+        emitted = new_tokens.setdefault(r.id, [])
+        for token in tokens:
+            if token in stops:
+                self._finish(r, "stop")
+                return
+            r.tokens.append(token)
+            r.metrics.generated += 1
+            emitted.append(token)
+            if len(r.generated) >= r.params.max_new_tokens:
+                self._finish(r, "length")
+                return
+            if r.stop_check is not None and r.stop_check(r.generated):
+                self._finish(r, "stop")
+                return
+
+    def _finish(self, r: Request, reason: str) -> None:
+        r.phase, r.finish_reason = Phase.FINISHED, reason
+        r.target = r.draft = None          # release the caches
+        r.pending_hidden, r.drafts, r.draft_probs = [], [], []

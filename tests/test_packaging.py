@@ -32,3 +32,10 @@ def test_editable_install_points_at_the_repository():
     import v4engine.runtime
 
     assert Path(v4engine.runtime.__file__).resolve().parent == ROOT / "runtime"
+
+
+def test_the_runtime_never_imports_torch():
+    probe = ("import sys, v4engine.runtime, v4engine.runtime.generator, v4engine.runtime.cli, "
+             "v4engine.runtime.sessions.onnxruntime; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False"

@@ -1,0 +1,70 @@
+"""Lossless speculative sampling: with MTP drafting, sampled tokens follow the target's own distribution."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from v4engine.builder.load import load_model
+from v4engine.builder.model import ModelState
+from v4engine.runtime.generator import Generator
+from v4engine.runtime.sampling import SamplingParams, accept_sampled, distribution
+
+N = 3000
+SHAPE = dict(temperature=1.0, top_k=6)
+
+
+def test_accept_sampled_preserves_the_target_distribution_exactly():
+    """Monte Carlo over the rejection sampler alone: P(next token) = p, whatever q is."""
+    rng = np.random.default_rng(0)
+    p = np.array([[0.5, 0.3, 0.2, 0.0], [0.1, 0.1, 0.1, 0.7]])
+    q = np.array([[0.1, 0.1, 0.1, 0.7]])
+    counts = np.zeros(4)
+    for _ in range(20000):
+        drafted = int(rng.choice(4, p=q[0]))
+        n, token = accept_sampled(p, q, [drafted], rng)
+        counts[drafted if n == 1 else token] += 1
+    assert np.abs(counts / counts.sum() - p[0]).sum() / 2 < 0.01
+
+
+def chi2_critical(df: int, z: float = 3.09) -> float:
+    """Wilson-Hilferty approximation of the chi-square quantile (z = 3.09: p = 0.001)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def test_first_two_sampled_tokens_follow_the_target_joint_distribution(tiny_engine):
+    checkpoint, engine = tiny_engine("mixed", agree=0.05)
+    model = load_model(checkpoint, mtp=False)
+    prompt = [5, 17, 99, 3, 42, 8, 61]
+    params = SamplingParams(max_new_tokens=2, ignore_eos=True, **SHAPE)
+
+    def target_probs(seq: list[int]) -> np.ndarray:
+        state = ModelState(model.cfg, 1)
+        with torch.no_grad():
+            logits = model(torch.tensor([seq]), state.positions(len(seq)), state.views()).logits[0, -1].numpy()
+        return distribution(logits, params)
+
+    p1 = target_probs(prompt)
+    exact = {(a, b): p1[a] * pb for a in np.flatnonzero(p1) for b, pb in enumerate(target_probs(prompt + [a]))
+             if pb > 0}
+
+    generator = Generator.from_engine_dir(engine, mtp=3, max_batch=64)
+    results = generator.generate([prompt] * N, [SamplingParams(max_new_tokens=2, ignore_eos=True, seed=s, **SHAPE)
+                                               for s in range(N)])
+    observed: dict[tuple[int, int], int] = {}
+    for r in results:
+        observed[tuple(r.token_ids)] = observed.get(tuple(r.token_ids), 0) + 1
+    assert set(observed) <= set(exact), "only tokens the target can sample"
+    assert generator.totals.accepted > 0 and generator.totals.accepted < generator.totals.drafted
+
+    tv = 0.5 * sum(abs(observed.get(cell, 0) / N - prob) for cell, prob in exact.items())
+    assert tv < 0.06, f"total variation {tv:.3f}"
+    cells = [c for c, prob in exact.items() if prob * N >= 5]
+    rest = 1 - sum(exact[c] for c in cells)
+    stat = sum((observed.get(c, 0) - exact[c] * N) ** 2 / (exact[c] * N) for c in cells)
+    if rest * N >= 5:
+        other = N - sum(observed.get(c, 0) for c in cells)
+        stat += (other - rest * N) ** 2 / (rest * N)
+        cells.append(None)
+    assert stat < chi2_critical(len(cells) - 1), f"chi-square {stat:.1f} over {len(cells)} cells"

@@ -1,0 +1,105 @@
+"""Continuous batching: rows in different phases share engine calls and every request still gets exactly the
+tokens of running it alone; caches are allocated exactly as engine.json accounts for them."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from v4engine.runtime.generator import Generator
+from v4engine.runtime.sampling import RequestError, SamplingParams
+from v4engine.runtime.scheduler import CapacityError, Phase
+
+GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
+
+
+def prompts(vocab: int, lengths: list[int]) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(11)
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_engine):
+    return tiny_engine("mixed", agree=0.05)[1]
+
+
+def test_mixed_phases_in_one_call_and_requests_joining_and_leaving(engine):
+    solo = Generator.from_engine_dir(engine, mtp=3)
+    cfg = solo.manifest.model
+    ps = prompts(cfg.vocab_size, [7, 3, 11, 5, 9])
+    lengths = [4, 12, 7, 12, 3]
+    alone = [solo.generate([p], SamplingParams(max_new_tokens=n, ignore_eos=True))[0].token_ids
+             for p, n in zip(ps, lengths)]
+
+    gen = Generator.from_engine_dir(engine, mtp=3, max_prefill_chunk=3)
+    scheduler = gen.scheduler
+    requests, mixed_call_seen = [], False
+    arrivals = {0: [0, 1], 2: [2], 4: [3], 7: [4]}                   # step -> requests that join then
+    step = 0
+    while step < 200 and (scheduler.busy or any(s >= step for s in arrivals)):
+        for i in arrivals.get(step, []):
+            requests.append((i, scheduler.submit(ps[i], SamplingParams(max_new_tokens=lengths[i], ignore_eos=True))))
+        phases = {r.phase for _, r in requests if r.phase in (Phase.PREFILL, Phase.DECODE)}
+        mixed_call_seen |= phases == {Phase.PREFILL, Phase.DECODE}
+        scheduler.step()
+        step += 1
+    assert mixed_call_seen, "a prefill chunk ran beside verify rows in one target call"
+    for i, r in requests:
+        assert r.generated == alone[i], f"request {i}"
+
+
+def test_cache_allocation_equals_the_engine_json_accounting(engine):
+    gen = Generator.from_engine_dir(engine, mtp=3)
+    manifest, scheduler = gen.manifest, gen.scheduler
+    r = scheduler.submit(prompts(manifest.model.vocab_size, [10])[0], GREEDY)
+    scheduler.step()                                                   # admitted: caches allocated
+    from_json = {part: sum(g["fixed_bytes"] + (r.capacity // g["ratio"]) * g["width"] * g["value_bytes"]
+                           if g["ratio"] else g["fixed_bytes"] for g in groups)
+                 for part, groups in manifest.caches.items()}
+    assert r.target.nbytes == from_json["target"] and r.draft.nbytes == from_json["draft"]
+    assert r.target.nbytes + r.draft.nbytes == r.cache_bytes == scheduler.used_bytes
+    assert r.cache_bytes == scheduler.cache_bytes(r.capacity)
+    assert r.target.nbytes == sum(g.bytes_for(r.capacity) for g in manifest.cache_groups("target"))
+
+
+def test_a_request_that_cannot_fit_is_refused_before_anything_runs(engine):
+    probe = Generator.from_engine_dir(engine, mtp=3)
+    one = probe.scheduler.cache_bytes(40 + 12 + 4)
+    gen = Generator.from_engine_dir(engine, mtp=3, max_cache_bytes=one)
+    cfg = gen.manifest.model
+    running = gen.scheduler.submit(prompts(cfg.vocab_size, [40])[0], GREEDY)
+    gen.scheduler.step()
+    steps = gen.scheduler.engine_steps
+    with pytest.raises(CapacityError, match="bytes of cache"):
+        gen.scheduler.submit(prompts(cfg.vocab_size, [400])[0], SamplingParams(max_new_tokens=300))
+    assert gen.scheduler.engine_steps == steps and len(gen.scheduler.waiting) == 0
+    second = gen.scheduler.submit(prompts(cfg.vocab_size, [40])[0], GREEDY)    # fits, but only after the first
+    while gen.scheduler.busy:
+        gen.scheduler.step()
+        assert gen.scheduler.used_bytes <= one
+    assert len(running.generated) == len(second.generated) == GREEDY.max_new_tokens
+
+
+def test_streaming_yields_accepted_tokens_as_they_come(engine):
+    gen = Generator.from_engine_dir(engine, mtp=3)
+    p = prompts(gen.manifest.model.vocab_size, [8])[0]
+    chunks = list(gen.stream(p, GREEDY))
+    assert sum(chunks, []) == gen.generate([p], GREEDY)[0].token_ids
+    assert len(chunks) < GREEDY.max_new_tokens, "several tokens per step when drafts are accepted"
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(prompt=[]), "empty"),
+    (dict(prompt=[5, 10_000]), "outside the vocabulary"),
+    (dict(prompt=[1] * 5000), "at most"),
+    (dict(params=SamplingParams(max_new_tokens=0)), "max_new_tokens"),
+    (dict(params=SamplingParams(temperature=-1.0)), "temperature"),
+])
+def test_bad_requests_are_refused_and_others_keep_running(engine, bad, message):
+    gen = Generator.from_engine_dir(engine, mtp=3)
+    good = gen.scheduler.submit([3, 4, 5, 6], GREEDY)
+    gen.scheduler.step()
+    with pytest.raises(RequestError, match=message):
+        gen.generate([bad.get("prompt", [7, 8, 9])], bad.get("params", GREEDY))
+    while gen.scheduler.busy:
+        gen.scheduler.step()
+    assert len(good.generated) == GREEDY.max_new_tokens

@@ -130,7 +130,8 @@ def build(options: BuildOptions) -> EngineManifest:
         for name in parts:
             inputs, outputs = graph_specs(cfg, draft=name == "draft", dtype=str(DTYPES[options.dtype])[6:])
             graphs[name] = GraphEntry(f"{name}.onnx", tuple(inputs), tuple(outputs))
-            caches[name] = [cache_group_dict(g) for g in cfg.cache_groups(name == "draft", options.mtp, value_bytes)]
+            groups = cfg.cache_groups(name == "draft", options.mtp, value_bytes)
+            caches[name] = [cache_group_dict(g, "mtp" if name == "draft" else cfg.layer_types[g.layer]) for g in groups]
         experts = {"mxfp4": "MXFP4 routed experts dequantized to the activation dtype into weights/converted.bin "
                             "(ONNX Runtime has no FP4 DequantizeLinear)",
                    "fp8": "FP8 routed experts kept FP8 in place, blocked DequantizeLinear"}.get(

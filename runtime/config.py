@@ -22,6 +22,16 @@ LAYER_KINDS = (SLIDING, CSA, HCA)
 HASH_MOE, MOE = "hash_moe", "moe"
 
 
+def read_json(path: Path, error: type[Exception], missing: str) -> Any:
+    """The parsed JSON file, or `error` with one line naming the file (missing, or not valid JSON)."""
+    if not path.is_file():
+        raise error(f"{path}: {missing}")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise error(f"{path}: not valid JSON ({e})") from None
+
+
 @dataclass(frozen=True)
 class Yarn:
     """DeepSeek YaRN on the compress rope (no mscale: cos and sin are not scaled)."""
@@ -123,13 +133,7 @@ class V4Config:
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
-        if not path.is_file():
-            raise ConfigError(f"{path}: config.json not found")
-        try:
-            raw = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from None
-        return cls.from_dict(raw, source=str(path))
+        return cls.from_dict(read_json(path, ConfigError, "config.json not found"), source=str(path))
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "V4Config":

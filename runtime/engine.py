@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .config import CacheGroup, V4Config
+from .config import CacheGroup, V4Config, read_json
 from .errors import ConfigError, V4EngineError
 
 FORMAT = "v4engine"
@@ -61,8 +61,9 @@ class WeightFile:
     source: str | None = None
 
 
-def cache_group_dict(group: CacheGroup) -> dict[str, Any]:
-    return {**asdict(group), "fixed_bytes": group.fixed_bytes, "bytes_per_token": group.bytes_per_token}
+def cache_group_dict(group: CacheGroup, kind: str) -> dict[str, Any]:
+    """One cache group as engine.json lists it: the layer's kind, the row shape, and its bytes."""
+    return {**asdict(group), "kind": kind, "fixed_bytes": group.fixed_bytes, "bytes_per_token": group.bytes_per_token}
 
 
 @dataclass
@@ -84,7 +85,7 @@ class EngineManifest:
 
     # ------------------------------------------------------------------ cache accounting
     def cache_groups(self, part: str) -> list[CacheGroup]:
-        keys = ("layer", "name", "width", "value_bytes", "rows_fixed", "ratio")
+        keys = ("layer", "name", "width", "value_bytes", "rows_fixed", "ratio")     # the rest is derived
         return [CacheGroup(**{k: g[k] for k in keys}) for g in self.caches[part]]
 
     def bytes_per_sequence(self, seq_len: int) -> int:
@@ -117,12 +118,7 @@ class EngineManifest:
         """Read and validate DIR/engine.json; every failure names the file and what is wrong."""
         directory = Path(directory)
         path = directory / MANIFEST
-        if not path.is_file():
-            raise EngineFormatError(f"{path}: not found (is {directory} an engine directory built by v4build?)")
-        try:
-            raw = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise EngineFormatError(f"{path}: not valid JSON ({e})") from None
+        raw = read_json(path, EngineFormatError, f"not found (is {directory} an engine directory built by v4build?)")
         if not isinstance(raw, dict) or raw.get("format") != FORMAT:
             raise EngineFormatError(f"{path}: not a v4engine manifest (field 'format' must be '{FORMAT}')")
         if raw.get("format_version") != FORMAT_VERSION:

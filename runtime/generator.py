@@ -37,8 +37,12 @@ class Generator:
     @classmethod
     def from_engine_dir(cls, path: str | Path, backend: str | None = None, mtp: int | None = None,
                         max_batch: int = 8, max_seq_len: int | None = None, max_cache_bytes: int | None = None,
-                        max_prefill_chunk: int = 512, threads: int | None = None) -> "Generator":
-        """Open an engine directory. mtp (<= the engine's k, 0 disables drafting) defaults to the engine's."""
+                        max_prefill_chunk: int = 512, threads: int | None = None,
+                        providers: list[str] | None = None) -> "Generator":
+        """Open an engine directory. mtp (<= the engine's k, 0 disables drafting) defaults to the engine's.
+
+        providers: ONNX Runtime execution providers, e.g. ["CUDAExecutionProvider", "CPUExecutionProvider"] with
+        onnxruntime-gpu installed (default: the CPU)."""
         path = Path(path)
         manifest = EngineManifest.read(path)
         if backend is not None and backend != manifest.backend:
@@ -46,7 +50,7 @@ class Generator:
         mtp = manifest.mtp if mtp is None else mtp
         if not 0 <= mtp <= manifest.mtp:
             raise RequestError(f"mtp must be between 0 and the engine's {manifest.mtp} (got {mtp})")
-        options = {"threads": threads} if threads else {}
+        options = {k: v for k, v in (("threads", threads), ("providers", providers)) if v}
         target = open_session(path, manifest, "target", **options)
         draft = open_session(path, manifest, "draft", **options) if mtp else None
         scheduler = Scheduler(manifest, target, draft, mtp, max_batch=max_batch,

@@ -2,6 +2,8 @@
 tokens of running it alone; caches are allocated exactly as engine.json accounts for them."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -103,3 +105,36 @@ def test_bad_requests_are_refused_and_others_keep_running(engine, bad, message):
     while gen.scheduler.busy:
         gen.scheduler.step()
     assert len(good.generated) == GREEDY.max_new_tokens
+
+
+def test_stop_token_ids_and_eos_end_a_request(engine):
+    gen = Generator.from_engine_dir(engine, mtp=3)
+    p = prompts(gen.manifest.model.vocab_size, [9])[0]
+    free = gen.generate([p], GREEDY)[0].token_ids
+    stop_at = free[5]
+    first = free.index(stop_at)
+    stopped = gen.generate([p], SamplingParams(max_new_tokens=12, ignore_eos=True, stop_token_ids=(stop_at,)))[0]
+    assert stopped.token_ids == free[:first] and stopped.finish_reason == "stop"
+    eos = gen.manifest.model.eos_token_id
+    with_eos = gen.generate([p], SamplingParams(max_new_tokens=12))[0]
+    assert eos not in with_eos.token_ids
+    assert with_eos.token_ids == free[:free.index(eos)] if eos in free else with_eos.token_ids == free
+
+
+def test_stop_strings_cut_the_text(engine, tmp_path):
+    import shutil
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    words = {f"w{i}": i for i in range(Generator.from_engine_dir(engine).manifest.model.vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(words, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    with_text = Path(shutil.copytree(engine, tmp_path / "engine", symlinks=True))
+    tokenizer.save(str(with_text / "tokenizer.json"))
+    gen = Generator.from_engine_dir(with_text, mtp=3)
+    free = gen.generate(["w3 w4 w5 w6"], GREEDY)[0]
+    stop = f"w{free.token_ids[4]}"
+    cut = gen.generate(["w3 w4 w5 w6"], SamplingParams(max_new_tokens=12, ignore_eos=True, stop=(stop,)))[0]
+    assert free.text.startswith(cut.text) and stop not in cut.text and cut.finish_reason == "stop"
+    assert len(cut.token_ids) <= 5

@@ -148,6 +148,7 @@ def build(options: BuildOptions) -> EngineManifest:
         manifest.build["compile"] = compile_engine(tmp, manifest)
         manifest.build["seconds"] = round(time.perf_counter() - started, 2)
         manifest.write(tmp)
+        tmp.chmod(0o755)                               # mkdtemp made it private
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)

@@ -154,12 +154,21 @@ def _tensors(model: Transformer, dtype: torch.dtype, quantize: str | None, scale
 def make_tiny(out: str | Path, config: str = "mixed", seed: int = 0, quantize: str | None = None,
               names: str = "official", dtype: str = "float32", shards: int = 2, mtp: bool = True,
               agree: float | None = None) -> Path:
-    """Write a tiny checkpoint folder; returns its path. Built in a temporary folder, renamed at the end."""
+    """Write a tiny random checkpoint folder; returns its path."""
     if config not in TINY_CONFIGS:
         raise ConfigError(f"unknown tiny config {config!r}; choose one of {sorted(TINY_CONFIGS)}")
     raw = dict(TINY_CONFIGS[config], torch_dtype=dtype)
-    cfg = V4Config.from_dict(raw, source=f"tiny config {config}")
-    model = random_model(cfg, seed, agree)
+    model = random_model(V4Config.from_dict(raw, source=f"tiny config {config}"), seed, agree)
+    return save_checkpoint(model, raw, out, quantize=quantize, names=names, dtype=dtype, shards=shards, mtp=mtp)
+
+
+def save_checkpoint(model: Transformer, raw: dict[str, Any], out: str | Path, quantize: str | None = None,
+                    names: str = "official", dtype: str = "float32", shards: int = 2, mtp: bool = True,
+                    extra_files: dict[str, Path] | None = None) -> Path:
+    """Write `model` as a checkpoint folder laid out like the release (config.json in official form `raw`,
+    sharded safetensors + index, mtp.0.* in the last shard), or as save_pretrained writes it (names="hf").
+    Built in a temporary folder and renamed at the end; `extra_files` (e.g. tokenizer.json) are copied in."""
+    raw = dict(raw, torch_dtype=dtype)
     tensors = _tensors(model, getattr(torch, dtype), quantize, "scale" if names == "official" else "weight_scale_inv")
     if not mtp:
         tensors = {k: v for k, v in tensors.items() if not k.startswith("mtp.")}
@@ -186,6 +195,9 @@ def make_tiny(out: str | Path, config: str = "mixed", seed: int = 0, quantize: s
         (tmp / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
         (tmp / "config.json").write_text(json.dumps(raw, indent=2))
+        for name, source in (extra_files or {}).items():
+            shutil.copy2(source, tmp / name)
+        tmp.chmod(0o755)
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
@@ -210,4 +222,4 @@ def _shard_groups(names: list[str], shards: int) -> list[list[str]]:
     return [g for g in groups if g]
 
 
-__all__ = ["TINY_CONFIGS", "make_tiny", "random_model", "official_to_hf_name", "hf_config"]
+__all__ = ["TINY_CONFIGS", "make_tiny", "save_checkpoint", "random_model", "official_to_hf_name", "hf_config"]

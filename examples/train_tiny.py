@@ -1,0 +1,186 @@
+"""Train a small DeepSeek-V4 with its MTP layer on the Python standard library, offline, on the CPU.
+
+Corpus: the .py files of the running interpreter's standard library, in sorted order. The held-out split is
+by file: every file whose sha1(relative path) ends in 0 is held out. A byte-level BPE tokenizer (`tokenizers`)
+is trained on the training split. Loss is the next token for the target plus, with weight `--mtp-weight`, the
+token after it for the MTP layer (DeepSeek-V3/V4): MTP row i pairs H_i with emb(t_{i+1}) and predicts t_{i+2}.
+The script is seeded, logs progress, and resumes from `WORK/state.pt`. It stops after `--minutes`, then writes
+the official layout (config.json, sharded safetensors with FP8 block weights, mtp.0.*, tokenizer.json) to
+`--output`.
+
+    .venv/bin/python examples/train_tiny.py --work /tmp/train-tiny --minutes 100 --output examples/tiny-v4
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import sysconfig
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from v4engine.builder.model import ModelState, Transformer
+from v4engine.builder.model.v4 import hyper_head
+from v4engine.builder.tiny import random_model, save_checkpoint
+from v4engine.runtime.config import V4Config
+
+CONFIG = {
+    "model_type": "deepseek_v4", "architectures": ["DeepseekV4ForCausalLM"], "bos_token_id": 0, "eos_token_id": 1,
+    "vocab_size": 4096, "hidden_size": 256, "moe_intermediate_size": 256, "num_hidden_layers": 6,
+    "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 64, "qk_rope_head_dim": 32,
+    "q_lora_rank": 128, "o_groups": 8, "o_lora_rank": 64, "sliding_window": 64,
+    "compress_ratios": [0, 0, 4, 16, 4, 16, 0], "num_hash_layers": 2, "n_routed_experts": 8,
+    "num_experts_per_tok": 2, "n_shared_experts": 1, "index_n_heads": 4, "index_head_dim": 64, "index_topk": 16,
+    "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "rms_norm_eps": 1e-6, "scoring_func": "sqrtsoftplus",
+    "topk_method": "noaux_tc", "norm_topk_prob": True, "routed_scaling_factor": 1.5, "swiglu_limit": 10.0,
+    "num_nextn_predict_layers": 1, "rope_theta": 10000.0, "compress_rope_theta": 160000.0,
+    "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                     "beta_slow": 1},
+    "max_position_embeddings": 65536, "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "float32",
+}
+SPECIALS = ["<|bos|>", "<|eos|>"]
+
+
+def corpus() -> tuple[list[Path], list[Path]]:
+    """(training files, held-out files) of the standard library, deterministic."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
+    held = [p for p in files if hashlib.sha1(str(p.relative_to(root)).encode()).hexdigest().endswith("0")]
+    return [p for p in files if p not in set(held)], held
+
+
+def train_tokenizer(files: list[Path], path: Path, vocab: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if path.exists():
+        return Tokenizer.from_file(str(path))
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train([str(f) for f in files], trainer)
+    tokenizer.save(str(path))
+    return tokenizer
+
+
+def encode(files: list[Path], tokenizer, path: Path) -> np.ndarray:
+    """All files as one id stream, eos between files (cached)."""
+    if path.exists():
+        return np.load(path)
+    ids: list[int] = []
+    for f in files:
+        ids += tokenizer.encode(f.read_text(errors="replace")).ids + [1]
+    arr = np.array(ids, dtype=np.uint16)
+    np.save(path, arr)
+    return arr
+
+
+def losses(model: Transformer, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(next-token loss of the target, token-after-next loss of the MTP layer) over a [B, L] batch."""
+    B, L = batch.shape
+    state = ModelState(model.cfg, B)
+    out = model(batch, state.positions(L), state.views())
+    target = F.cross_entropy(out.logits[:, :-1].reshape(-1, out.logits.shape[-1]), batch[:, 1:].reshape(-1))
+    mtp = model.mtp[0]
+    x = mtp.h_proj(mtp.hnorm(out.hidden[:, :-2])) + mtp.e_proj(mtp.enorm(model.embed(batch[:, 1:-1]))).unsqueeze(2)
+    draft = ModelState(model.cfg, B, draft=True)
+    x, _ = mtp(x, batch[:, 1:-1], draft.positions(L - 2), draft.views()[0])
+    logits = model.head(mtp.norm(hyper_head(x, mtp.hc_head_fn, mtp.hc_head_base, mtp.hc_head_scale, model.cfg)))
+    return target, F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, 2:].reshape(-1))
+
+
+@torch.no_grad()
+def held_out_loss(model: Transformer, data: np.ndarray, length: int, batches: int) -> float:
+    rng = np.random.default_rng(1)
+    total = 0.0
+    for _ in range(batches):
+        starts = rng.integers(0, len(data) - length - 1, 8)
+        batch = torch.from_numpy(np.stack([data[s:s + length] for s in starts]).astype(np.int64))
+        total += losses(model, batch)[0].item()
+    return total / batches
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--work", type=Path, required=True, help="folder for the tokenizer, token cache, state and log")
+    p.add_argument("--output", type=Path, default=None, help="where to write the trained checkpoint at the end")
+    p.add_argument("--minutes", type=float, default=100, help="training time budget (this run)")
+    p.add_argument("--steps", type=int, default=20000, help="schedule length in steps (cosine decay)")
+    p.add_argument("--batch", type=int, default=8, help="sequences per step")
+    p.add_argument("--length", type=int, default=256, help="tokens per sequence (several sliding windows)")
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--mtp-weight", type=float, default=0.5, help="weight of the MTP loss")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    args.work.mkdir(parents=True, exist_ok=True)
+    log = open(args.work / "train.log", "a")
+
+    def say(msg: str) -> None:
+        print(msg, flush=True)
+        log.write(msg + "\n")
+        log.flush()
+
+    train_files, held_files = corpus()
+    tokenizer = train_tokenizer(train_files, args.work / "tokenizer.json", CONFIG["vocab_size"])
+    train = encode(train_files, tokenizer, args.work / "train.npy")
+    held = encode(held_files, tokenizer, args.work / "held.npy")
+    say(f"corpus: {len(train_files)} training files ({len(train)} tokens), {len(held_files)} held out "
+        f"({len(held)} tokens)")
+
+    cfg = V4Config.from_dict(CONFIG)
+    torch.manual_seed(args.seed)
+    model = random_model(cfg, args.seed)
+    with torch.no_grad():                       # small initial residual updates train more steadily
+        for name, param in model.named_parameters():
+            if name.endswith(("wo_b.weight", "w2.weight")):
+                param.mul_(0.1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    step, state_path = 0, args.work / "state.pt"
+    if state_path.exists():
+        saved = torch.load(state_path, weights_only=False)
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        step = saved["step"]
+        say(f"resumed at step {step}")
+    rng = np.random.default_rng(args.seed + step)
+    started, last_save = time.time(), time.time()
+    model.train()
+    while step < args.steps and time.time() - started < args.minutes * 60:
+        lr = args.lr * 0.5 * (1 + math.cos(math.pi * step / args.steps)) * min(1.0, (step + 1) / 200)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        starts = rng.integers(0, len(train) - args.length - 1, args.batch)
+        batch = torch.from_numpy(np.stack([train[s:s + args.length] for s in starts]).astype(np.int64))
+        target_loss, mtp_loss = losses(model, batch)
+        loss = target_loss + args.mtp_weight * mtp_loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        step += 1
+        if step % 20 == 0:
+            say(f"step {step} loss {target_loss.item():.3f} mtp {mtp_loss.item():.3f} lr {lr:.2e} "
+                f"elapsed {time.time() - started:.0f}s")
+        if time.time() - last_save > 300:
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, state_path)
+            last_save = time.time()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, state_path)
+    model.eval()
+    held_loss = held_out_loss(model, held, args.length, 8)
+    say(f"done at step {step}: held-out loss {held_loss:.3f}, perplexity {math.exp(held_loss):.1f}")
+    if args.output:
+        save_checkpoint(model, CONFIG, args.output, quantize="fp8", dtype="bfloat16",
+                        extra_files={"tokenizer.json": args.work / "tokenizer.json"})
+        say(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()

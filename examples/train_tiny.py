@@ -64,7 +64,7 @@ def train_tokenizer(files: list[Path], path: Path, vocab: int):
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=SPECIALS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train([str(f) for f in files], trainer)
+    tokenizer.train_from_iterator((f.read_text(errors="replace") for f in files), trainer)   # a few are not UTF-8
     tokenizer.save(str(path))
     return tokenizer
 

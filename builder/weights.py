@@ -42,19 +42,17 @@ ALIGN = 64
 FP8_BLOCK = 128
 
 
-def _external(tensor: TensorProto, location: str, offset: int, length: int) -> None:
+def _external(name: str, onnx_type: int, shape: tuple[int, ...], location: str, offset: int, length: int
+              ) -> TensorProto:
+    """An initializer whose bytes are `length` bytes at `offset` of `location` (relative to the engine folder)."""
+    tensor = TensorProto()
+    tensor.name, tensor.data_type = name, onnx_type
+    tensor.dims.extend(shape)
     tensor.data_location = TensorProto.EXTERNAL
-    del tensor.external_data[:]
     for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
         entry = tensor.external_data.add()
         entry.key, entry.value = key, value
-
-
-def _placeholder(tensor: TensorProto, name: str, onnx_type: int, shape: tuple[int, ...]) -> TensorProto:
-    out = TensorProto()
-    out.name, out.data_type = name, onnx_type
-    out.dims.extend(shape)
-    return out
+    return tensor
 
 
 class WeightWriter:
@@ -137,22 +135,18 @@ def attach_weights(proto: onnx.ModelProto, ckpt: Checkpoint, cfg: V4Config, writ
         shape = tuple(tensor.dims)
         if info.format == "plain":
             stored = _ONNX_TYPE[info.dtype]
-            location = writer.link(info.file)
-            if stored == tensor.data_type:
-                ref = _placeholder(tensor, tensor.name, stored, shape)
+            name_as_stored = tensor.name if stored == tensor.data_type else f"{tensor.name}.stored"
+            kept.append(_external(name_as_stored, stored, shape, writer.link(info.file), info.offset, info.nbytes))
+            if name_as_stored == tensor.name:
                 counts["in place"] += 1
             else:
-                ref = _placeholder(tensor, f"{tensor.name}.stored", stored, shape)
-                nodes.append(helper.make_node("Cast", [ref.name], [tensor.name], to=tensor.data_type))
+                nodes.append(helper.make_node("Cast", [name_as_stored], [tensor.name], to=tensor.data_type))
                 counts["in place + cast"] += 1
-            _external(ref, location, info.offset, info.nbytes)
-            kept.append(ref)
         elif info.format == "fp8_block":
-            q = _placeholder(tensor, f"{tensor.name}.fp8", TensorProto.FLOAT8E4M3FN, shape)
-            _external(q, writer.link(info.file), info.offset, info.nbytes)
-            scale = _placeholder(tensor, f"{tensor.name}.scale", TensorProto.FLOAT,
-                                 (shape[0], -(-shape[1] // FP8_BLOCK)))
-            _external(scale, *writer.convert(fp8_scale_rows(ckpt, info)))
+            q = _external(f"{tensor.name}.fp8", TensorProto.FLOAT8E4M3FN, shape, writer.link(info.file), info.offset,
+                          info.nbytes)
+            scale = _external(f"{tensor.name}.scale", TensorProto.FLOAT, (shape[0], -(-shape[1] // FP8_BLOCK)),
+                              *writer.convert(fp8_scale_rows(ckpt, info)))
             dq_out = tensor.name if tensor.data_type == TensorProto.FLOAT else f"{tensor.name}.dq"
             nodes.append(helper.make_node("DequantizeLinear", [q.name, scale.name], [dq_out], axis=1,
                                           block_size=FP8_BLOCK))
@@ -162,9 +156,8 @@ def attach_weights(proto: onnx.ModelProto, ckpt: Checkpoint, cfg: V4Config, writ
             counts["fp8 in place + dequantize"] += 1
         else:  # mxfp4: no FP4 DequantizeLinear on the CPU; dequantize into the converted file
             values = ckpt.load(name, dtype=_TORCH_OF_ONNX[tensor.data_type])
-            ref = _placeholder(tensor, tensor.name, tensor.data_type, shape)
-            _external(ref, *writer.convert(values.view(_BITS[values.element_size()]).numpy()))
-            kept.append(ref)
+            kept.append(_external(tensor.name, tensor.data_type, shape,
+                                  *writer.convert(values.view(_BITS[values.element_size()]).numpy())))
             counts["converted"] += 1
     del graph.initializer[:]
     graph.initializer.extend(kept)

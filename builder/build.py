@@ -54,7 +54,11 @@ def _check_output(options: BuildOptions) -> None:
     out = options.output
     if out.exists() and not options.force:
         raise BuildError(f"{out}: already exists (pass --force to replace it)")
-    parent = out.parent if str(out.parent) else Path(".")
+    if out.exists() and not out.is_dir():
+        raise BuildError(f"{out}: exists and is not a folder; --force only replaces an engine folder")
+    if out.exists() and options.checkpoint.resolve().is_relative_to(out.resolve()):
+        raise BuildError(f"{out}: holds the checkpoint itself; choose another --output")
+    parent = out.parent
     if not parent.is_dir():
         raise BuildError(f"{parent}: the folder for the engine does not exist")
     try:
@@ -113,9 +117,9 @@ def build(options: BuildOptions) -> EngineManifest:
     _check_output(options)
     cfg, ckpt = open_checkpoint(options.checkpoint, mtp=options.mtp > 0)
     out = options.output
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent if str(out.parent) else "."))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
+    writer = WeightWriter(tmp)
     try:
-        writer = WeightWriter(tmp)
         parts = ["target"] + (["draft"] if options.mtp > 0 else [])
         treatment: dict[str, int] = {}
         for name in tqdm(parts, desc="export", unit="graph", disable=not options.progress):
@@ -154,5 +158,6 @@ def build(options: BuildOptions) -> EngineManifest:
         tmp.rename(out)
         return manifest
     finally:
+        writer.close()
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

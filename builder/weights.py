@@ -97,9 +97,11 @@ class WeightWriter:
         return list(self.linked.values()) + converted
 
     def close(self) -> list[WeightFile]:
-        self._converted.close()
-        if not self._offset:
-            (self.engine_dir / CONVERTED).unlink()
+        """Close the converted file (dropping it when empty); safe to call again."""
+        if not self._converted.closed:
+            self._converted.close()
+            if not self._offset:
+                (self.engine_dir / CONVERTED).unlink()
         return self.files()
 
 
@@ -143,7 +145,7 @@ def attach_weights(proto: onnx.ModelProto, ckpt: Checkpoint, cfg: V4Config, writ
                 nodes.append(helper.make_node("Cast", [name_as_stored], [tensor.name], to=tensor.data_type))
                 counts["in place + cast"] += 1
         elif info.format == "fp8_block":
-            q = _external(f"{tensor.name}.fp8", TensorProto.FLOAT8E4M3FN, shape, writer.link(info.file), info.offset,
+            q = _external(f"{tensor.name}.fp8", _ONNX_TYPE[info.dtype], shape, writer.link(info.file), info.offset,
                           info.nbytes)
             scale = _external(f"{tensor.name}.scale", TensorProto.FLOAT, (shape[0], -(-shape[1] // FP8_BLOCK)),
                               *writer.convert(fp8_scale_rows(ckpt, info)))

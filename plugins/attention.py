@@ -31,12 +31,19 @@ def attend_with_sink(q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
     keys: [B,1,T,d] (shared by every query of a row) or [B,S,T,d] (chosen per query); visible [B,S,T].
     """
     qf, kf = q.float(), keys.float()
-    logits = torch.matmul(qf, kf.transpose(-1, -2)) * scale                      # [B,S,H,T]
-    logits = logits.masked_fill(~visible.unsqueeze(2), NEG_INF)
+    B, S, H, d = q.shape
+    shared = kf.shape[1] == 1 and S > 1          # one key set per row: no need to broadcast it per query
+    if shared:
+        logits = torch.matmul(qf.reshape(B, S * H, d), kf[:, 0].transpose(-1, -2)).view(B, S, H, -1)
+    else:
+        logits = torch.matmul(qf, kf.transpose(-1, -2))                          # [B,S,H,T]
+    logits = (logits * scale).masked_fill(~visible.unsqueeze(2), NEG_INF)
     sinks = sink.float().view(1, 1, -1, 1).expand(*logits.shape[:3], 1)
     combined = torch.cat([logits, sinks], dim=-1)
     combined = combined - combined.max(dim=-1, keepdim=True).values
     probs = torch.softmax(combined, dim=-1)[..., :-1]
+    if shared:
+        return torch.matmul(probs.reshape(B, S * H, -1), kf[:, 0]).view(B, S, H, d).to(q.dtype)
     return torch.matmul(probs, kf).to(q.dtype)
 
 

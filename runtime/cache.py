@@ -12,8 +12,6 @@ import numpy as np
 
 from .config import SLIDING, CacheGroup, V4Config
 
-STATE_GROUPS = ("compressor_kv", "compressor_gate", "indexer_kv", "indexer_gate")
-ROW_GROUPS = ("compressed_kv", "index_keys")
 NUMPY_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 
 
@@ -59,8 +57,9 @@ class SequenceCache:
             if g.ratio:      # the rows of windows closed within the committed positions
                 first, last = self.length // g.ratio, (self.length + n) // g.ratio
                 buf[first:last] = new[: last - first]
-            else:
-                buf[np.arange(self.length, self.length + n) % buf.shape[0]] = new[:n]
+            else:      # only the last ring-size positions survive a long chunk: write just those, once each
+                keep = min(n, buf.shape[0])
+                buf[np.arange(self.length + n - keep, self.length + n) % buf.shape[0]] = new[n - keep:n]
         self.length += n
 
     def truncate(self, length: int) -> None:

@@ -160,6 +160,8 @@ class V4Config:
                 inferred = {CSA: nonzero[0]} if nonzero[0] == 4 else {HCA: nonzero[0]}
             compress_rates = {CSA: get("compress_rate_csa", inferred.get(CSA, 4)),
                               HCA: get("compress_rate_hca", inferred.get(HCA, 128))}
+        compress_rates.setdefault(CSA, 4)
+        compress_rates.setdefault(HCA, 128)
         ratio_to_kind = {0: SLIDING, compress_rates[CSA]: CSA, compress_rates[HCA]: HCA}
 
         if "layer_types" in raw and raw["layer_types"] is not None:
@@ -267,7 +269,7 @@ class V4Config:
             eos_token_id=get("eos_token_id", 1),
             torch_dtype=str(get("torch_dtype", get("dtype", "bfloat16"))),
             quantization=dict(quant) if isinstance(quant, dict) else None,
-            expert_dtype=get("expert_dtype", (quant or {}).get("expert_dtype") if isinstance(quant, dict) else None),
+            expert_dtype=get("expert_dtype", quant.get("expert_dtype") if isinstance(quant, dict) else None),
             source=source,
         )
         cfg.validate()
@@ -403,8 +405,3 @@ class V4Config:
                                          rows_fixed=state_rows))
                 groups.append(CacheGroup(i, "index_keys", self.index_head_dim, value_bytes, ratio=m))
         return groups
-
-    @property
-    def mtp_layer_index(self) -> int:
-        """The official checkpoint numbers the MTP block after the target layers (compress_ratios[n_layers])."""
-        return self.num_hidden_layers

@@ -88,10 +88,6 @@ class EngineManifest:
         keys = ("layer", "name", "width", "value_bytes", "rows_fixed", "ratio")     # the rest is derived
         return [CacheGroup(**{k: g[k] for k in keys}) for g in self.caches[part]]
 
-    def bytes_per_sequence(self, seq_len: int) -> int:
-        """Cache bytes one sequence of seq_len tokens holds, target and draft together."""
-        return sum(g.bytes_for(seq_len) for part in self.caches for g in self.cache_groups(part))
-
     # ------------------------------------------------------------------ writing
     def to_dict(self) -> dict[str, Any]:
         totals = {part: {"bytes_per_token": sum(g["bytes_per_token"] for g in groups),

@@ -11,6 +11,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from .engine import EngineManifest
 from .metrics import RequestMetrics
 from .sampling import RequestError, SamplingParams
@@ -96,15 +98,23 @@ class Generator:
 
         `sampling` is one SamplingParams for all prompts or one per prompt. A bad prompt raises RequestError
         before anything is queued."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]
         if sampling is None or isinstance(sampling, SamplingParams):
             sampling = [sampling or SamplingParams()] * len(prompts)
-        for p, s in zip(prompts, sampling):       # everything checked before anything is queued
-            self.scheduler.validate(self.encode(p), s)
-        requests = [self._submit(p, s) for p, s in zip(prompts, sampling)]
-        while any(r.finish_reason is None for r in requests):
-            self.scheduler.step()
+        if len(sampling) != len(prompts):
+            raise RequestError(f"{len(prompts)} prompts but {len(sampling)} sampling parameter sets")
+        encoded = [self.encode(p) for p in prompts]
+        for ids, s in zip(encoded, sampling):       # everything checked before anything is queued
+            self.scheduler.validate(ids, s)
+        requests = [self._submit(ids, s) for ids, s in zip(encoded, sampling)]
+        try:
+            while any(r.finish_reason is None for r in requests):
+                self.scheduler.step()
+        finally:                                   # an error mid-way must not leave requests holding caches
+            for r in requests:
+                if r.finish_reason is None:
+                    self.scheduler.cancel(r)
         return [self._result(r) for r in requests]
 
     def stream(self, prompt: Prompt, sampling: SamplingParams | None = None) -> Iterator[list[int]]:

@@ -37,6 +37,7 @@ class RequestMetrics:
         self.drafted += other.drafted
         self.accepted += other.accepted
         self.verify_steps += other.verify_steps
+        self.accepted_per_step += other.accepted_per_step
         self.accepted_at = [a + b for a, b in zip(self.accepted_at, other.accepted_at)]
         self.generated += other.generated
         self.seconds += other.seconds

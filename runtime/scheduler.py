@@ -133,8 +133,10 @@ class Scheduler:
         return request
 
     def cancel(self, request: Request) -> None:
-        if request in self.waiting:
-            self.waiting.remove(request)
+        """Stop a request now and release its caches (its batch slot frees at once)."""
+        for queue in (self.waiting, self.active):
+            if request in queue:
+                queue.remove(request)
         self._finish(request, "cancelled")
 
     @property
@@ -240,6 +242,8 @@ class Scheduler:
             if r.phase == Phase.PREFILL:
                 inputs.append(r.prompt[r.target.length: r.target.length + self.max_prefill_chunk])
             else:
+                room = r.capacity - r.target.length - 1          # a verify never commits past the cache's capacity
+                r.drafts, r.draft_probs = r.drafts[:room], r.draft_probs[:room]
                 inputs.append([r.tokens[-1]] + r.drafts)
         S = max(len(x) for x in inputs)
         ids = np.zeros((len(rows), S), np.int64)
@@ -265,8 +269,8 @@ class Scheduler:
             if r.params.greedy:
                 accepted, token = accept_greedy(logits, drafts)
             else:
-                accepted, token = accept_sampled(distribution(logits, r.params), np.array(r.draft_probs).reshape(
-                    len(drafts), -1), drafts, r.rng)
+                q = np.array(r.draft_probs).reshape(len(drafts), logits.shape[-1])
+                accepted, token = accept_sampled(distribution(logits, r.params), q, drafts, r.rng)
             if drafts:
                 r.metrics.record_verify(len(drafts), accepted)
             r.target.commit(deltas, accepted + 1)
@@ -293,7 +297,7 @@ class Scheduler:
             r.tokens.append(token)
             r.metrics.generated += 1
             emitted.append(token)
-            if len(r.generated) >= r.params.max_new_tokens:
+            if len(r.generated) >= r.params.max_new_tokens or len(r.tokens) >= self.max_seq_len:
                 self._finish(r, "length")
                 return
             if r.stop_check is not None and r.stop_check(r.generated):

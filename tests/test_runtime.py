@@ -1,7 +1,6 @@
 """The runtime: lossless MTP speculative decoding from an engine directory, with exact acceptance."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 

@@ -138,3 +138,22 @@ def test_stop_strings_cut_the_text(engine, tmp_path):
     cut = gen.generate(["w3 w4 w5 w6"], SamplingParams(max_new_tokens=12, ignore_eos=True, stop=(stop,)))[0]
     assert free.text.startswith(cut.text) and stop not in cut.text and cut.finish_reason == "stop"
     assert len(cut.token_ids) <= 5
+
+
+def test_a_request_that_reaches_max_seq_len_ends_with_length(engine):
+    gen = Generator.from_engine_dir(engine, mtp=3, max_seq_len=16)
+    [r] = gen.generate([list(range(3, 15))], SamplingParams(max_new_tokens=20, ignore_eos=True))
+    assert r.finish_reason == "length" and len(r.prompt_token_ids) + len(r.token_ids) == 16
+
+
+def test_sampling_without_drafting_and_prompt_forms(engine):
+    import numpy as np
+
+    gen = Generator.from_engine_dir(engine, mtp=0)
+    params = SamplingParams(max_new_tokens=5, temperature=0.8, seed=3, ignore_eos=True)
+    [a] = gen.generate([np.array([3, 4, 5])], params)
+    [b] = gen.generate([[np.int64(3), np.int64(4), np.int64(5)]], params)
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 5
+    with pytest.raises(RequestError, match="sampling parameter sets"):
+        gen.generate([[3, 4], [5, 6]], [params])
+    assert not gen.scheduler.busy

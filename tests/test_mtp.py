@@ -71,3 +71,18 @@ def test_draft_extend_over_the_prompt_then_recursive_drafts(model, prompt_len):
         assert (o.logits - ref_logits[:, -1:]).abs().max().item() <= TOL
         assert (o.hidden - ref_streams[:, -1:]).abs().max().item() <= TOL
         last_h, last_logits = o.hidden, o.logits
+
+
+def test_training_mode_routes_only_chosen_tokens_to_experts_with_the_same_result(model):
+    """The sparse expert path (training) and the dense one (eval, export) are the same sum."""
+    cfg = model.cfg
+    ids = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(9))
+    state = ModelState(cfg, 2)
+    with torch.no_grad():
+        dense = model(ids, state.positions(17), state.views()).logits
+        model.train()
+        try:
+            sparse = model(ids, state.positions(17), state.views()).logits
+        finally:
+            model.eval()
+    assert (dense - sparse).abs().max().item() <= 1e-5

@@ -252,9 +252,9 @@ class Attention(nn.Module):
                 o = csa_attention(q, positions, keys, key_pos, all_rows, topk, self.attn_sink, window=W, scale=scale)
         # V = K carries rope on its trailing dims: de-rotate the output at the query position.
         o = apply_rope(o, cos, sin, inverse=True)
-        groups = o.reshape(B, S, cfg.o_groups, H * d // cfg.o_groups)
-        wo_a = self.wo_a.weight.view(cfg.o_groups, cfg.o_lora_rank, -1)       # one [rank, in] matrix per group
-        o = torch.matmul(groups.unsqueeze(-2), wo_a.transpose(-1, -2)).flatten(2)
+        groups = o.reshape(B * S, cfg.o_groups, H * d // cfg.o_groups).transpose(0, 1)     # [G, tokens, in]
+        wo_a = self.wo_a.weight.view(cfg.o_groups, cfg.o_lora_rank, -1)                  # one [rank, in] per group
+        o = torch.matmul(groups, wo_a.transpose(-1, -2)).transpose(0, 1).reshape(B, S, -1)
         return self.wo_b(o), delta
 
 
@@ -317,7 +317,11 @@ class MoE(nn.Module):
         route = self.gate(flat, input_ids)
         out = self.shared_experts(flat).float()                 # accumulated in fp32, as the official code does
         for e, expert in enumerate(self.experts):
-            out = out + expert(flat, route[:, e]).float()
+            if self.training:   # training: only the routed tokens (same sum; data-dependent shapes are fine here)
+                rows = route[:, e].nonzero().squeeze(-1)
+                out = out.index_add(0, rows, expert(flat[rows], route[rows, e]).float())
+            else:
+                out = out + expert(flat, route[:, e]).float()
         return out.to(x.dtype).view(shape)
 
 

@@ -1,6 +1,15 @@
 """Shared fixtures: tiny checkpoints are made once per test session (per xdist worker) and reused."""
 from __future__ import annotations
 
+import os
+
+import torch
+
+# Without a GPU the Triton kernels run interpreted, which must be chosen before triton is first imported
+# (import torch does not import it).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from pathlib import Path
 
 import pytest
@@ -44,3 +53,16 @@ def tiny_engine(tiny_checkpoint, tmp_path_factory):
         return made[key]
 
     return make
+
+
+TRAINED = Path(__file__).resolve().parent.parent / "examples" / "tiny-v4"
+
+
+@pytest.fixture(scope="session")
+def trained_engine(tmp_path_factory) -> Path:
+    """The shipped trained tiny V4 (examples/tiny-v4) built with --mtp 3, once per session (per xdist worker)."""
+    from v4engine.builder.build import BuildOptions, build
+
+    out = tmp_path_factory.mktemp("trained") / "engine"
+    build(BuildOptions(checkpoint=TRAINED, output=out, mtp=3, progress=False))
+    return out

@@ -24,6 +24,8 @@ class OnnxRuntimeSession(EngineSession):
             options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
             options.add_session_config_entry("session.disable_prepacking", "1")
             options.add_session_config_entry("session.use_external_initializer_file_buffers_directly", "1")
+        else:   # fold DequantizeLinear of FP8/FP4 weights once at load instead of dequantizing them every call
+            options.add_session_config_entry("session.disable_quant_qdq", "1")
         # ONNX Runtime refuses external data that resolves outside the model folder, so weight files that are
         # symlinks into the checkpoint are handed over as memory maps (no copy of the file is made).
         mapped = [(w.file, np.memmap(engine_dir / w.file, dtype=np.uint8, mode="r"))

@@ -1,0 +1,210 @@
+"""Generation speed and acceptance on held-out text: transformers eager vs v4engine with MTP = 0, 1, 2, 3.
+
+On the trained tiny V4 (examples/tiny-v4) and held-out prompts from the standard library (files the model
+never saw; the split of examples/train_tiny.py), greedy, one run:
+  - batch 1, interleaved: for each prompt, transformers `generate()` (the same target weights, dequantized to
+    fp32 as the engine uses them) and v4engine MTP = 0..3 run back to back, so machine noise hits all alike;
+  - batch 4 and 16 (v4engine only), the prompts cycled, each system in turn per round.
+Reports tokens/s, time to first token, acceptance rate, mean acceptance length, per-position acceptance and
+host overhead (time outside engine calls, as a share of step time), then the ratios the issue asks for.
+
+    .venv/bin/python benchmarks/bench_generate.py [--checkpoint examples/tiny-v4] [--work /tmp/bench-generate]
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from v4engine.builder.cli import main as v4build
+from v4engine.runtime.generator import Generator
+from v4engine.runtime.metrics import RequestMetrics
+from v4engine.runtime.sampling import SamplingParams
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load_module(name: str, path: Path):
+    """A module of this repository that is not part of the package (the training script, the test oracle)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+ORACLE = load_module("oracle", ROOT / "tests" / "oracle.py")
+
+
+def held_out_prompts(tokenizer_path: Path, count: int, length: int, need: int, seed: int) -> list[list[int]]:
+    """`count` prompts of `length` tokens, one per held-out file long enough for prompt + generation."""
+    from tokenizers import Tokenizer
+
+    train_tiny = load_module("train_tiny", ROOT / "examples" / "train_tiny.py")
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    rng = np.random.default_rng(seed)
+    prompts = []
+    for path in train_tiny.corpus()[1]:
+        ids = tokenizer.encode(path.read_text(errors="replace")).ids
+        if len(ids) >= length + need:
+            start = int(rng.integers(0, len(ids) - length - need + 1))
+            prompts.append(ids[start:start + length])
+        if len(prompts) == count:
+            return prompts
+    raise SystemExit(f"only {len(prompts)} held-out files have {length + need} tokens")
+
+
+# --------------------------------------------------------------------------- the systems
+class FirstTokenClock:
+    """A transformers streamer that notes when the first generated token arrives (put #2; #1 is the prompt)."""
+
+    def __init__(self) -> None:
+        self.calls, self.first = 0, None
+
+    def put(self, value) -> None:
+        self.calls += 1
+        if self.calls == 2:
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+@dataclass
+class Tally:
+    """What one system did over the run."""
+    tokens: int = 0
+    seconds: float = 0.0
+    ttft: list[float] = field(default_factory=list)
+    outputs: list[list[int]] = field(default_factory=list)
+    metrics: RequestMetrics | None = None
+
+    def row(self) -> dict:
+        m = self.metrics
+        out = {"tokens/s": self.tokens / self.seconds, "TTFT ms": 1000 * statistics.median(self.ttft)}
+        if m is not None and m.mtp:
+            out.update({"acceptance rate": m.acceptance_rate, "mean acc. length": m.mean_acceptance_length,
+                        "per position": " / ".join(f"{a:.2f}" for a in m.per_position_acceptance)})
+        if m is not None:
+            out["host overhead"] = max(0.0, m.seconds - m.engine_seconds) / m.seconds
+        return out
+
+
+def run_transformers(model, prompt: list[int], new_tokens: int, tally: Tally) -> None:
+    clock = FirstTokenClock()
+    ids = torch.tensor([prompt])
+    started = time.perf_counter()
+    with torch.no_grad(), ORACLE.lowest_index_ties():
+        out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, streamer=clock)
+    tally.seconds += time.perf_counter() - started
+    tally.ttft.append(clock.first - started)
+    tally.outputs.append(out[0, len(prompt):].tolist())
+    tally.tokens += len(tally.outputs[-1])
+
+
+def run_v4engine(generator: Generator, prompts: list[list[int]], new_tokens: int, tally: Tally) -> None:
+    """Generate for the prompts as one batch; acceptance and engine time accumulate in `generator.totals`."""
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    started = time.perf_counter()
+    results = generator.generate(prompts, params)
+    tally.seconds += time.perf_counter() - started
+    for result in results:
+        tally.ttft.append(result.metrics["time_to_first_token"])
+        tally.outputs.append(result.token_ids)
+        tally.tokens += len(result.token_ids)
+    tally.metrics = generator.totals
+
+
+# --------------------------------------------------------------------------- the run
+def prepare(checkpoint: Path, work: Path) -> tuple[Path, Path]:
+    """The v4engine engine (--mtp 3) and an fp32 transformers copy of the same (dequantized) target weights."""
+    engine, hf = work / "engine", work / "hf"
+    work.mkdir(parents=True, exist_ok=True)
+    if not (engine / "engine.json").exists():
+        if v4build(["--checkpoint", str(checkpoint), "--mtp", "3", "--output", str(engine), "--force"]):
+            raise SystemExit("v4build failed")
+    if not (hf / "config.json").exists():
+        ORACLE.transformers_copy(checkpoint, hf)
+    return engine, hf
+
+
+def table(title: str, rows: dict[str, dict]) -> str:
+    columns = ["tokens/s", "TTFT ms", "acceptance rate", "mean acc. length", "per position", "host overhead"]
+    lines = [f"### {title}", "", "| system | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    for name, row in rows.items():
+        cells = []
+        for c in columns:
+            v = row.get(c, "-")
+            cells.append(f"{v:.0%}" if c == "host overhead" and v != "-" else f"{v:.2f}" if isinstance(v, float)
+                         else str(v))
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--checkpoint", type=Path, default=ROOT / "examples" / "tiny-v4")
+    p.add_argument("--work", type=Path, default=Path("/tmp/bench-generate"), help="engine and transformers copy")
+    p.add_argument("--prompts", type=int, default=8, help="held-out prompts")
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--threads", type=int, default=2, help="intra-op threads for both ONNX Runtime and torch")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    engine, hf = prepare(args.checkpoint, args.work)
+    prompts = held_out_prompts(args.checkpoint / "tokenizer.json", args.prompts, args.prompt_tokens,
+                               args.new_tokens, args.seed)
+
+    model = ORACLE.load_transformers(hf)
+    model.generation_config.eos_token_id = None              # fixed length, like ignore_eos below
+    max_batch = max(args.batch_sizes)
+    generators = {k: Generator.from_engine_dir(engine, mtp=k, max_batch=max_batch, threads=args.threads)
+                  for k in range(4)}
+    for k, g in generators.items():                          # warm up every system once, untimed
+        run_v4engine(g, prompts[:1], 8, Tally())
+    run_transformers(model, prompts[0], 8, Tally())
+
+    sections = []
+    rows: dict[str, dict] = {}
+    for batch in args.batch_sizes:
+        tallies = {k: Tally() for k in generators}
+        for k, g in generators.items():
+            g.totals = RequestMetrics(mtp=k)
+        hf_tally = Tally() if batch == 1 else None
+        groups = [[prompts[(i + j) % len(prompts)] for j in range(batch)] for i in range(0, len(prompts), batch)] \
+            if batch <= len(prompts) else [[prompts[j % len(prompts)] for j in range(batch)]]
+        for group in groups:                                 # interleaved: every system on this group in turn
+            if hf_tally is not None:
+                run_transformers(model, group[0], args.new_tokens, hf_tally)
+            for k, g in generators.items():
+                run_v4engine(g, group, args.new_tokens, tallies[k])
+        batch_rows = {}
+        if hf_tally is not None:
+            batch_rows["transformers eager"] = hf_tally.row()
+            same = sum(a == b for a, b in zip(hf_tally.outputs, tallies[0].outputs))
+            print(f"greedy tokens equal to transformers: {same}/{len(hf_tally.outputs)} prompts (MTP = 0)")
+        for k, t in tallies.items():
+            batch_rows[f"v4engine MTP = {k}"] = t.row()
+            lossless = all(a == b for a, b in zip(t.outputs, tallies[0].outputs))
+            print(f"batch {batch} MTP = {k}: tokens {'equal' if lossless else 'DIFFER from'} MTP = 0")
+        rows[batch] = batch_rows
+        sections.append(table(f"batch {batch} ({len(groups)} x {batch} prompts, {args.new_tokens} new tokens each)",
+                              batch_rows))
+    print("\n\n".join(sections))
+    one = rows[args.batch_sizes[0]]
+    print("\nratios (tokens/s, batch 1):")
+    print(f"  v4engine MTP = 3 / MTP = 0:      {one['v4engine MTP = 3']['tokens/s'] / one['v4engine MTP = 0']['tokens/s']:.2f}x")
+    if "transformers eager" in one:
+        print(f"  v4engine MTP = 0 / transformers: "
+              f"{one['v4engine MTP = 0']['tokens/s'] / one['transformers eager']['tokens/s']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""Every kernel launch plan of ours at named sizes, so that all who compile or launch the whole set (aot.py and
+its test, the TensorRT plugin build, scripts/gpu_check.py) cover the same kernels with the same constexprs.
+
+"tiny": fp32 with small dims that are not powers of two (padding and masks), like the numeric tests;
+"v4-flash": bf16 at DeepSeek-V4-Flash's sizes, where registers and shared memory are those of production.
+Only the constexprs (dtype, head sizes, window, ratios, top-k, splits) change a compiled kernel; B, S and the
+row counts are runtime scalars that only shape the grids.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from .attention import plan_csa_attention, plan_hca_attention, plan_sliding_attention
+from .compressor import plan_csa_compress, plan_hca_compress
+from .indexer import plan_indexer_topk
+from .launch import LaunchPlan
+
+# H, d: attention heads and head size; h, dI: indexer heads and key size; *_C: compressor input channels
+SIZES = {
+    "tiny": SimpleNamespace(dtype=torch.float32, B=2, S=3, H=5, d=24, window=8, splits=3, hca_ratio=3,
+                            hca_rows=12, csa_ratio=3, csa_rows=40, topk=5, h=3, dI=10, hca_C=24, csa_C=40),
+    "v4-flash": SimpleNamespace(dtype=torch.bfloat16, B=64, S=1, H=64, d=512, window=128, splits=8, hca_ratio=128,
+                                hca_rows=512, csa_ratio=4, csa_rows=16384, topk=512, h=64, dI=128, hca_C=512,
+                                csa_C=1024),
+}
+
+
+def plans(size: str) -> dict[str, list[LaunchPlan]]:
+    """Op call -> its launch plans (an attention call with key splits has two: attention, then combine)."""
+    z = SIZES[size]
+    attention = dict(B=z.B, S=z.S, H=z.H, d=z.d, T=z.window - 1 + z.S)    # keys: the window's W-1 cached, S new
+    attrs = dict(window=z.window, scale=z.d ** -0.5)
+    calls = {}
+    for n, suffix in ((1, ""), (z.splits, f"_split{z.splits}")):
+        calls |= {
+            f"sliding_attention{suffix}": plan_sliding_attention(attention, z.dtype, splits=n, **attrs),
+            f"hca_attention{suffix}": plan_hca_attention(attention | dict(R=z.hca_rows), z.dtype, ratio=z.hca_ratio,
+                                                         splits=n, **attrs),
+            f"csa_attention{suffix}": plan_csa_attention(attention | dict(R=z.csa_rows, k=z.topk), z.dtype, splits=n,
+                                                         **attrs)}
+    return calls | {   # compressors see the state_tokens kept (CSA's windows overlap), then the S new tokens
+        "indexer_topk": [plan_indexer_topk(dict(B=z.B, S=z.S, h=z.h, dI=z.dI, R=z.csa_rows), z.dtype, topk=z.topk,
+                                           ratio=z.csa_ratio, scale=z.dI ** -0.5, weights_dtype=torch.float32)],
+        "hca_compress": [plan_hca_compress(dict(B=z.B, L=z.hca_ratio - 1 + z.S, C=z.hca_C), z.dtype,
+                                           ratio=z.hca_ratio, state_tokens=z.hca_ratio - 1)],
+        "csa_compress": [plan_csa_compress(dict(B=z.B, L=2 * z.csa_ratio - 1 + z.S, C=z.csa_C), z.dtype,
+                                           ratio=z.csa_ratio, state_tokens=2 * z.csa_ratio - 1)]}

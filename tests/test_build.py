@@ -138,7 +138,10 @@ def test_ctrl_c_in_the_middle_of_a_build(tiny_checkpoint, tmp_path):
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "-m", "v4engine.builder.cli", "--checkpoint",
                              str(tiny_checkpoint("mixed")), "--output", str(out), "--quiet"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            # as from a terminal: a run started in the background (nohup, `&`) inherits an
+                            # ignored SIGINT, and Python then installs no KeyboardInterrupt handler
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 120
     while not list(tmp_path.glob(".out.building-*")) and time.time() < deadline:
         time.sleep(0.05)

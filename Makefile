@@ -3,8 +3,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_WORKERS ?= 2
+# The serving environment: the Python of Triton's Python-backend stub (numpy < 2 there), see requirements-triton.txt
+TRITON_VENV ?= .venv-triton
+TRITON_STAMP := $(TRITON_VENV)/.installed
 
-.PHONY: setup demo test clean
+.PHONY: setup triton-env demo test clean
 
 $(STAMP): pyproject.toml requirements.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -16,11 +19,20 @@ $(STAMP): pyproject.toml requirements.txt
 
 setup: $(STAMP)
 
+$(TRITON_STAMP): pyproject.toml requirements-triton.txt
+	test -x $(TRITON_VENV)/bin/python || python3 -m venv $(TRITON_VENV)
+	$(TRITON_VENV)/bin/python -m pip install -q --upgrade pip
+	$(TRITON_VENV)/bin/python -m pip install -q -r requirements-triton.txt
+	$(TRITON_VENV)/bin/python -m pip install -q --no-deps -e .
+	touch $(TRITON_STAMP)
+
+triton-env: $(TRITON_STAMP)
+
 demo: setup
 	$(PY) examples/demo.py
 
-test: setup
-	$(PY) -m pytest -n $(PYTEST_WORKERS) -q
+test: setup triton-env
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -q
 
 clean:
-	rm -rf $(VENV) demo-out .pytest_cache
+	rm -rf $(VENV) $(TRITON_VENV) demo-out .pytest_cache

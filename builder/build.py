@@ -22,6 +22,7 @@ from tqdm import tqdm
 from v4engine.plugins import DOMAIN, OPSET, onnx_functions
 from v4engine.runtime.engine import EngineManifest, GraphEntry, cache_group_dict
 from v4engine.runtime.errors import V4EngineError
+from v4engine.runtime.staging import staged_folder
 
 from .backends import compile_engine
 from .export import export_graph, graph_specs
@@ -116,48 +117,42 @@ def build(options: BuildOptions) -> EngineManifest:
     started = time.perf_counter()
     _check_output(options)
     cfg, ckpt = open_checkpoint(options.checkpoint, mtp=options.mtp > 0)
-    out = options.output
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
-    writer = WeightWriter(tmp)
-    try:
-        parts = ["target"] + (["draft"] if options.mtp > 0 else [])
-        treatment: dict[str, int] = {}
-        for name in tqdm(parts, desc="export", unit="graph", disable=not options.progress):
-            for k, v in _write_graph(tmp, name, options, cfg, ckpt, writer).items():
-                treatment[k] = treatment.get(k, 0) + v
-        weights = writer.close()
-        tokenizer = [f for f in TOKENIZER_FILES if (options.checkpoint / f).is_file()]
-        for f in tokenizer:
-            shutil.copy2(options.checkpoint / f, tmp / f)
-        value_bytes = DTYPES[options.dtype].itemsize
-        graphs, caches = {}, {}
-        for name in parts:
-            inputs, outputs = graph_specs(cfg, draft=name == "draft", dtype=str(DTYPES[options.dtype])[6:])
-            graphs[name] = GraphEntry(f"{name}.onnx", tuple(inputs), tuple(outputs))
-            groups = cfg.cache_groups(name == "draft", options.mtp, value_bytes)
-            caches[name] = [cache_group_dict(g, "mtp" if name == "draft" else cfg.layer_types[g.layer]) for g in groups]
-        experts = {"mxfp4": "MXFP4 routed experts dequantized to the activation dtype into weights/converted.bin "
-                            "(ONNX Runtime has no FP4 DequantizeLinear)",
-                   "fp8": "FP8 routed experts kept FP8 in place, blocked DequantizeLinear"}.get(
-            cfg.expert_dtype or "", "as stored, in place")
-        manifest = EngineManifest(
-            model=cfg, backend=options.backend, mtp=options.mtp, dtype=options.dtype, graphs=graphs, caches=caches,
-            weights=weights, experts=experts, tokenizer=tokenizer,
-            checkpoint={"path": str(options.checkpoint.resolve()), "fingerprint": ckpt.fingerprint(),
-                        "tensors": len(ckpt.names()), "scheme": ckpt.scheme},
-            tools=_versions(),
-            build={"max_batch": options.max_batch, "max_seq_len": options.max_seq_len, "opset": OPSET,
-                   "weights": treatment})
-        manifest.write(tmp)
-        manifest.build["compile"] = compile_engine(tmp, manifest)
-        manifest.build["seconds"] = round(time.perf_counter() - started, 2)
-        manifest.write(tmp)
-        tmp.chmod(0o755)                               # mkdtemp made it private
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-        return manifest
-    finally:
-        writer.close()
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    with staged_folder(options.output, "building") as tmp:
+        writer = WeightWriter(tmp)
+        try:
+            parts = ["target"] + (["draft"] if options.mtp > 0 else [])
+            treatment: dict[str, int] = {}
+            for name in tqdm(parts, desc="export", unit="graph", disable=not options.progress):
+                for k, v in _write_graph(tmp, name, options, cfg, ckpt, writer).items():
+                    treatment[k] = treatment.get(k, 0) + v
+            weights = writer.close()
+            tokenizer = [f for f in TOKENIZER_FILES if (options.checkpoint / f).is_file()]
+            for f in tokenizer:
+                shutil.copy2(options.checkpoint / f, tmp / f)
+            value_bytes = DTYPES[options.dtype].itemsize
+            graphs, caches = {}, {}
+            for name in parts:
+                inputs, outputs = graph_specs(cfg, draft=name == "draft", dtype=str(DTYPES[options.dtype])[6:])
+                graphs[name] = GraphEntry(f"{name}.onnx", tuple(inputs), tuple(outputs))
+                groups = cfg.cache_groups(name == "draft", options.mtp, value_bytes)
+                caches[name] = [cache_group_dict(g, "mtp" if name == "draft" else cfg.layer_types[g.layer])
+                                for g in groups]
+            experts = {"mxfp4": "MXFP4 routed experts dequantized to the activation dtype into weights/converted.bin "
+                                "(ONNX Runtime has no FP4 DequantizeLinear)",
+                       "fp8": "FP8 routed experts kept FP8 in place, blocked DequantizeLinear"}.get(
+                cfg.expert_dtype or "", "as stored, in place")
+            manifest = EngineManifest(
+                model=cfg, backend=options.backend, mtp=options.mtp, dtype=options.dtype, graphs=graphs,
+                caches=caches, weights=weights, experts=experts, tokenizer=tokenizer,
+                checkpoint={"path": str(options.checkpoint.resolve()), "fingerprint": ckpt.fingerprint(),
+                            "tensors": len(ckpt.names()), "scheme": ckpt.scheme},
+                tools=_versions(),
+                build={"max_batch": options.max_batch, "max_seq_len": options.max_seq_len, "opset": OPSET,
+                       "weights": treatment})
+            manifest.write(tmp)
+            manifest.build["compile"] = compile_engine(tmp, manifest)
+            manifest.build["seconds"] = round(time.perf_counter() - started, 2)
+            manifest.write(tmp)
+        finally:
+            writer.close()
+    return manifest

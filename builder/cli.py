@@ -3,6 +3,7 @@
     v4build --checkpoint DIR --output OUT [--mtp K] [--backend onnxruntime] [--dtype fp32] ...
     v4build make-tiny OUT [--config NAME] [--quantize fp8|mxfp4] [--names official|hf] ...
     v4build check --checkpoint DIR [--mtp K]
+    v4build triton-repo ENGINE_DIR OUT [--gpu] [--max-batch N] [--max-queue-size N] [--instance-count N] [--force]
 
 Every failure prints one line naming the file, tensor or field at fault and exits non-zero.
 """
@@ -48,6 +49,15 @@ def _build(args: argparse.Namespace) -> None:
     print(summary(args.output, manifest))
 
 
+def _triton_repo(args: argparse.Namespace) -> None:
+    from v4engine.triton_repo import render
+
+    out = render(args.engine_dir, args.out, gpu=args.gpu, max_batch=args.max_batch,
+                 max_queue_size=args.max_queue_size, instance_count=args.instance_count, force=args.force)
+    print(f"wrote the Triton model repository for {args.engine_dir} to {out} "
+          f"({'GPU' if args.gpu else 'CPU'}): preprocessing, v4_generate, postprocessing, ensemble")
+
+
 def summary(out: Path, manifest) -> str:
     """What was built: graphs and sizes, weights, cache bytes per token, time."""
     def mb(n: float) -> str:
@@ -73,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="v4build", description="Compile a DeepSeek-V4 checkpoint (with its mtp.0.* draft layer) into an engine "
         "directory: target and draft graphs, engine.json, tokenizer. Weights are referenced in place, never copied.",
         epilog="Other commands: 'v4build make-tiny --help' (a tiny random checkpoint), "
-        "'v4build check --help' (check a checkpoint against its config.json).")
+        "'v4build check --help' (check a checkpoint against its config.json), "
+        "'v4build triton-repo --help' (a Triton Inference Server model repository serving an engine).")
     p.add_argument("--checkpoint", type=Path, required=True,
                    help="checkpoint folder: config.json and safetensors (single file or sharded with an index); "
                    "official or transformers names; bf16/fp32, FP8 block-scaled, MXFP4 experts")
@@ -126,12 +137,30 @@ def tools_parser() -> argparse.ArgumentParser:
     c.add_argument("--mtp", type=int, default=1, help="number of MTP draft tokens planned; > 0 requires the mtp.0.* "
                    "weights (default 1)")
     c.set_defaults(run=_check)
+
+    r = sub.add_parser("triton-repo", help="render a Triton Inference Server model repository serving an engine",
+                       description="Render a Triton model repository that serves ENGINE_DIR with streaming MTP "
+                       "speculative decoding: preprocessing -> v4_generate -> postprocessing, wired by the model "
+                       "'ensemble' (HTTP generate / generate_stream, gRPC streaming). The Python models run "
+                       "v4engine from the server's Python environment; the engine is referenced by its path.")
+    r.add_argument("engine_dir", type=Path, help="engine directory built by v4build (with its tokenizer.json)")
+    r.add_argument("out", type=Path, help="repository folder to create (written beside it, renamed at the end)")
+    r.add_argument("--gpu", action="store_true", help="v4_generate on KIND_GPU instances, the engine opened with "
+                   "ONNX Runtime's CUDA provider (default: KIND_CPU)")
+    r.add_argument("--max-batch", type=int, default=None, help="requests generating together in one scheduler "
+                   "(default: the largest batch the engine was built for)")
+    r.add_argument("--max-queue-size", type=int, default=32, help="requests that may wait for a batch slot; "
+                   "beyond that a request is refused at once (default 32)")
+    r.add_argument("--instance-count", type=int, default=1, help="v4_generate instances, each with its own "
+                   "scheduler and engine sessions (default 1)")
+    r.add_argument("--force", action="store_true", help="replace OUT if it is a model repository")
+    r.set_defaults(run=_triton_repo)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    tools = bool(argv) and argv[0] in ("make-tiny", "check")
+    tools = bool(argv) and argv[0] in ("make-tiny", "check", "triton-repo")
     args = (tools_parser() if tools else build_parser()).parse_args(argv)
     try:
         args.run(args)

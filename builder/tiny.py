@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ from safetensors.torch import save_file
 
 from v4engine.runtime.config import V4Config
 from v4engine.runtime.errors import ConfigError
+from v4engine.runtime.staging import staged_folder
 
 from .checkpoint import quantize_fp8_block, quantize_mxfp4
 from .model import Transformer
@@ -182,8 +182,7 @@ def save_checkpoint(model: Transformer, raw: dict[str, Any], out: str | Path, qu
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with staged_folder(out, "writing") as tmp:
         groups = _shard_groups(list(tensors), shards)
         weight_map, total = {}, 0
         for i, group in enumerate(groups):
@@ -197,13 +196,6 @@ def save_checkpoint(model: Transformer, raw: dict[str, Any], out: str | Path, qu
         (tmp / "config.json").write_text(json.dumps(raw, indent=2))
         for name, source in (extra_files or {}).items():
             shutil.copy2(source, tmp / name)
-        tmp.chmod(0o755)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     return out
 
 

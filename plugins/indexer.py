@@ -16,11 +16,20 @@ from .attention import RowsVisible, rows_visible
 from .common import NEG_INF, V4, exporting, op, symbolic
 
 
-def _reference(q, weights, keys, key_ids, q_pos, topk, ratio, scale):
+def visible_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_ids: torch.Tensor,
+                   q_pos: torch.Tensor, ratio: int, scale: float) -> torch.Tensor:
+    """[B,S,R] fp32 scores of every row for every query, -inf where the row is not visible to the query.
+
+    Public because the checks of other realisations (whose sums run in another order) compare the scores of
+    the rows they pick, not only the indices."""
     scores = torch.relu(torch.einsum("bshd,brd->bshr", q.float(), keys.float())) * scale
-    scores = (scores * weights.float().unsqueeze(-1)).sum(dim=2)                    # [B,S,R]
+    scores = (scores * weights.float().unsqueeze(-1)).sum(dim=2)
+    return scores.masked_fill(~rows_visible(q_pos, key_ids, ratio), NEG_INF)
+
+
+def _reference(q, weights, keys, key_ids, q_pos, topk, ratio, scale):
+    scores = visible_scores(q, weights, keys, key_ids, q_pos, ratio, scale)
     visible = rows_visible(q_pos, key_ids, ratio)
-    scores = scores.masked_fill(~visible, NEG_INF)
     k = min(topk, keys.shape[1])
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
     return torch.where(torch.gather(visible, -1, order), order, torch.full_like(order, -1))

@@ -10,6 +10,7 @@ import json
 import sys
 from pathlib import Path
 
+from .detokenize import IncrementalDetokenizer
 from .errors import V4EngineError
 from .generator import Generator
 from .sampling import SamplingParams
@@ -48,14 +49,11 @@ def main(argv: list[str] | None = None) -> int:
         sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                   top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=tuple(args.stop),
                                   ignore_eos=args.ignore_eos)
-        if args.stream and not args.json:
-            ids: list[int] = []
+        if args.stream and not args.json:     # text pieces never split a character nor show a stop string
+            detok = IncrementalDetokenizer(generator.tokenizer, sampling.stop) if generator.tokenizer else None
             for chunk in generator.stream(prompt, sampling):
-                ids += chunk
-                text = generator.decode(chunk)
-                print(text if text is not None else " ".join(map(str, chunk)), end="" if text is not None else " ",
-                      flush=True)
-            print()
+                print(detok.add(chunk) if detok else " ".join(map(str, chunk)) + " ", end="", flush=True)
+            print(detok.finish() if detok else "")
             print(generator.totals.table())
             return 0
         [result] = generator.generate([prompt], sampling)

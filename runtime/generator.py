@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .detokenize import final_text
 from .engine import EngineManifest
 from .metrics import RequestMetrics
 from .sampling import RequestError, SamplingParams
@@ -20,6 +21,16 @@ from .scheduler import Request, Scheduler
 from .sessions import open_session
 
 Prompt = str | Sequence[int]
+
+
+def load_tokenizer(engine_dir: str | Path):
+    """The engine directory's tokenizer.json as a `tokenizers.Tokenizer`, or None when it has none."""
+    path = Path(engine_dir) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path))
 
 
 @dataclass
@@ -58,12 +69,7 @@ class Generator:
         scheduler = Scheduler(manifest, target, draft, mtp, max_batch=max_batch,
                               max_seq_len=max_seq_len or manifest.build.get("max_seq_len", 4096),
                               max_cache_bytes=max_cache_bytes, max_prefill_chunk=max_prefill_chunk)
-        tokenizer = None
-        if (path / "tokenizer.json").is_file():
-            from tokenizers import Tokenizer
-
-            tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
-        return cls(path, manifest, scheduler, tokenizer)
+        return cls(path, manifest, scheduler, load_tokenizer(path))
 
     # ------------------------------------------------------------------ prompts and text
     def encode(self, prompt: Prompt) -> list[int]:
@@ -76,7 +82,8 @@ class Generator:
     def decode(self, ids: list[int]) -> str | None:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else None
 
-    def _submit(self, prompt: Prompt, sampling: SamplingParams) -> Request:
+    def submit(self, prompt: Prompt, sampling: SamplingParams) -> Request:
+        """Queue one request in the scheduler (stop strings included); the caller steps the scheduler."""
         request = self.scheduler.submit(self.encode(prompt), sampling)
         if sampling.stop and self.tokenizer is not None:
             request.stop_check = lambda ids: any(s in self.tokenizer.decode(ids) for s in sampling.stop)
@@ -84,10 +91,7 @@ class Generator:
 
     def _result(self, r: Request) -> GenerationResult:
         ids = r.generated
-        text = self.decode(ids)
-        if text is not None and r.params.stop:       # the text ends before the first stop string
-            cut = min((text.find(s) for s in r.params.stop if s in text), default=-1)
-            text = text[:cut] if cut >= 0 else text
+        text = final_text(self.tokenizer, ids, r.params.stop) if self.tokenizer is not None else None
         self.totals.merge(r.metrics)
         return GenerationResult(r.prompt, ids, text, r.finish_reason or "", r.metrics.to_dict())
 
@@ -107,7 +111,7 @@ class Generator:
         encoded = [self.encode(p) for p in prompts]
         for ids, s in zip(encoded, sampling):       # everything checked before anything is queued
             self.scheduler.validate(ids, s)
-        requests = [self._submit(ids, s) for ids, s in zip(encoded, sampling)]
+        requests = [self.submit(ids, s) for ids, s in zip(encoded, sampling)]
         try:
             while any(r.finish_reason is None for r in requests):
                 self.scheduler.step()
@@ -119,7 +123,7 @@ class Generator:
 
     def stream(self, prompt: Prompt, sampling: SamplingParams | None = None) -> Iterator[list[int]]:
         """Yield the token ids each step accepts (one to k+1 at a time) until the request finishes."""
-        request = self._submit(prompt, sampling or SamplingParams())
+        request = self.submit(prompt, sampling or SamplingParams())
         try:
             while request.finish_reason is None:
                 step = self.scheduler.step()

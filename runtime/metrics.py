@@ -6,6 +6,7 @@ draft i+1 was accepted.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 
@@ -38,7 +39,7 @@ class RequestMetrics:
         self.accepted += other.accepted
         self.verify_steps += other.verify_steps
         self.accepted_per_step += other.accepted_per_step
-        self.accepted_at = [a + b for a, b in zip(self.accepted_at, other.accepted_at)]
+        self.accepted_at = [a + b for a, b in itertools.zip_longest(self.accepted_at, other.accepted_at, fillvalue=0)]
         self.generated += other.generated
         self.seconds += other.seconds
         self.engine_seconds += other.engine_seconds

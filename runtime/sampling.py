@@ -29,6 +29,7 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    num_draft_tokens: int | None = None      # drafts per step for this request (0..the scheduler's mtp; None: mtp)
 
     def validate(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:

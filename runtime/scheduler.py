@@ -48,6 +48,7 @@ class Request:
     capacity: int
     cache_bytes: int
     metrics: RequestMetrics
+    num_drafts: int                    # draft tokens per step for this request (<= the scheduler's mtp)
     rng: np.random.Generator
     phase: Phase = Phase.WAITING
     tokens: list[int] = field(default_factory=list)
@@ -107,6 +108,10 @@ class Scheduler:
     def validate(self, prompt: list[int], params: SamplingParams) -> int:
         """Raise RequestError (a one-line reason) if the request cannot be served; else its cache capacity."""
         params.validate()
+        drafts = params.num_draft_tokens
+        if drafts is not None and not (isinstance(drafts, int) and 0 <= drafts <= self.mtp):
+            raise RequestError(f"num_draft_tokens must be an integer from 0 to {self.mtp}, the draft tokens per step "
+                               f"this engine serves (got {drafts!r})")
         if not prompt:
             raise RequestError("the prompt is empty")
         bad = [t for t in prompt if not (0 <= int(t) < self.cfg.vocab_size)]
@@ -126,8 +131,9 @@ class Scheduler:
         """Validate and queue a request; a bad one raises RequestError and changes nothing."""
         capacity = self.validate(prompt, params)
         need = self.cache_bytes(capacity)
+        drafts = self.mtp if params.num_draft_tokens is None else params.num_draft_tokens
         request = Request(id=next(self._ids), prompt=[int(t) for t in prompt], params=params, capacity=capacity,
-                          cache_bytes=need, metrics=RequestMetrics(mtp=self.mtp),
+                          cache_bytes=need, metrics=RequestMetrics(mtp=drafts), num_drafts=drafts,
                           rng=np.random.default_rng(params.seed), tokens=[int(t) for t in prompt])
         self.waiting.append(request)
         return request
@@ -151,7 +157,7 @@ class Scheduler:
         finished: list[Request] = []
         engine = 0.0
         if self.mtp:
-            engine += self._draft([r for r in self.active if r.phase == Phase.DECODE and not r.drafts])
+            engine += self._draft([r for r in self.active if r.phase == Phase.DECODE and r.num_drafts and not r.drafts])
         rows = [r for r in self.active if r.phase in (Phase.PREFILL, Phase.DECODE)]
         if rows:
             engine += self._target(rows, new_tokens)
@@ -203,26 +209,28 @@ class Scheduler:
         return {(g.layer, g.name): out[f"new.{g.layer}.{g.name}"][b] for g in self.groups[part]}
 
     def _draft(self, requests: list[Request]) -> float:
-        """DRAFT-EXTEND over the newly committed positions, then k-1 recursive DRAFT steps; drafts d1..dk."""
+        """DRAFT-EXTEND over the newly committed positions, then recursive DRAFT steps: d1..dk per request, k its
+        own num_drafts (a request leaves the recursive calls once it has its k drafts)."""
         if not requests:
             return 0.0
         hidden = [np.concatenate(r.pending_hidden) for r in requests]
         ids = [r.tokens[r.draft.length + 1: r.target.length + 1] for r in requests]
         out, engine = self._draft_call(requests, hidden, ids)
-        last_h = []
+        last_h = {}
         for b, r in enumerate(requests):
             n = len(ids[b])
             r.draft.commit(self._deltas(out, "draft", b), n)
             r.pending_hidden = []
             self._propose(r, out["logits"][b, n - 1])
-            last_h.append(out["next_hidden"][b, n - 1: n])
-        for _ in range(self.mtp - 1):
-            out, t = self._draft_call(requests, last_h, [[r.drafts[-1]] for r in requests])
+            last_h[r.id] = out["next_hidden"][b, n - 1: n]
+        for depth in range(1, max(r.num_drafts for r in requests)):
+            deeper = [r for r in requests if r.num_drafts > depth]
+            out, t = self._draft_call(deeper, [last_h[r.id] for r in deeper], [[r.drafts[-1]] for r in deeper])
             engine += t
-            for b, r in enumerate(requests):
+            for b, r in enumerate(deeper):
                 r.draft.commit(self._deltas(out, "draft", b), 1)          # kept only while drafting
                 self._propose(r, out["logits"][b, 0])
-                last_h[b] = out["next_hidden"][b, 0:1]
+                last_h[r.id] = out["next_hidden"][b, 0:1]
         for r in requests:
             r.draft.truncate(r.target.length)                           # drafted rows are rewritten from true streams
         return engine
@@ -258,7 +266,8 @@ class Scheduler:
             logits, hidden = out["logits"][b, : len(x)], out["hidden"][b, : len(x)]
             if r.phase == Phase.PREFILL:
                 r.target.commit(deltas, len(x))
-                r.pending_hidden.append(hidden)
+                if r.num_drafts:                                # the draft layer reads these streams
+                    r.pending_hidden.append(hidden)
                 if r.target.length == len(r.prompt):
                     r.phase = Phase.DECODE
                     r.metrics.time_to_first_token = time.perf_counter() - r.started
@@ -274,7 +283,8 @@ class Scheduler:
             if drafts:
                 r.metrics.record_verify(len(drafts), accepted)
             r.target.commit(deltas, accepted + 1)
-            r.pending_hidden.append(hidden[: accepted + 1])
+            if r.num_drafts:
+                r.pending_hidden.append(hidden[: accepted + 1])
             r.drafts, r.draft_probs = [], []
             self._emit(r, drafts[:accepted] + [token], new_tokens)
         return engine

@@ -52,14 +52,6 @@ def run_indexer(inputs, dtype, **attrs):
     return indexer_topk(q.to(dtype), weights, keys.to(dtype), key_ids, q_pos, **attrs).cpu()
 
 
-def reference_scores(q, weights, keys, key_ids, q_pos, scale):
-    """The reference's [B,S,R] scores, -inf where not visible."""
-    scores = torch.relu(torch.einsum("bshd,brd->bshr", q.float(), keys.float())) * scale
-    scores = (scores * weights.float().unsqueeze(-1)).sum(dim=2)
-    visible = indexer_ref.rows_visible(q_pos, key_ids, RATIO)
-    return scores.masked_fill(~visible, float("-inf"))
-
-
 INDEXER_SHAPES = [  # B, S, h, dI, R, topk
     (2, 3, 3, 10, 40, 5),       # R > topk, odd head and key sizes (padded to 16)
     (1, 4, 2, 8, 9, 16),        # R < topk: every visible row, then -1
@@ -107,7 +99,7 @@ def test_indexer_topk_picks_the_best_scores(B, S, h, dI, R, topk, dtype, tol):
     got = run_indexer((q, weights, keys, key_ids, q_pos), dtype, **attrs)
 
     assert torch.equal(got == -1, expected == -1)
-    scores = reference_scores(q, weights, keys, key_ids, q_pos, attrs["scale"])
+    scores = indexer_ref.visible_scores(q, weights, keys, key_ids, q_pos, RATIO, attrs["scale"])
     picked = got >= 0
     for b, s in zip(*torch.nonzero(picked.any(-1), as_tuple=True)):
         rows = got[b, s][picked[b, s]]

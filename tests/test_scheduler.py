@@ -157,3 +157,19 @@ def test_sampling_without_drafting_and_prompt_forms(engine):
     with pytest.raises(RequestError, match="sampling parameter sets"):
         gen.generate([[3, 4], [5, 6]], [params])
     assert not gen.scheduler.busy
+
+
+def test_each_request_drafts_its_own_number_of_tokens_in_one_batch(engine):
+    """num_draft_tokens per request: 0..k drafts side by side in the same calls, tokens unchanged (lossless)."""
+    gen = Generator.from_engine_dir(engine, mtp=3)
+    p = prompts(gen.manifest.model.vocab_size, [9])[0]
+    alone = gen.generate([p], GREEDY)[0].token_ids
+    results = gen.generate([p] * 4, [SamplingParams(max_new_tokens=12, ignore_eos=True, num_draft_tokens=k)
+                                     for k in range(4)])
+    for k, r in enumerate(results):
+        assert r.token_ids == alone, f"num_draft_tokens={k}"
+        assert len(r.metrics["per_position_acceptance"]) == k
+        assert r.metrics["drafted"] <= k * r.metrics["verify_steps"]
+    assert results[0].metrics["drafted"] == 0 and results[3].metrics["drafted"] > results[1].metrics["drafted"]
+    with pytest.raises(RequestError, match="num_draft_tokens must be an integer from 0 to 3"):
+        gen.generate([p], SamplingParams(num_draft_tokens=4))

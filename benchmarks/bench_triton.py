@@ -1,0 +1,113 @@
+"""Triton overhead at batch 1: tokens/s and time to first token through Triton vs the same runtime in-process.
+
+The same engine (the trained tiny V4, built with --mtp 3), prompts and settings (greedy, a fixed number of new
+tokens) run one request at a time, interleaved: for each prompt, the runtime in this process
+(`Generator.generate`, then `Generator.stream` for the first token), then the Triton ensemble over HTTP
+(`/generate`, then `/generate_stream` for the first token), so that machine noise hits both alike. Triton is the
+nvidia-pytriton 2.51 server (v4engine.triton_repo.server) on a repository rendered from the engine. The client
+side uses only the standard library: a gRPC client's threads in this process would slow the in-process runtime
+(ONNX Runtime runs two threads on this machine's two cores).
+
+    .venv/bin/python benchmarks/bench_triton.py [--engine ENGINE_DIR | --checkpoint examples/tiny-v4] \\
+        [--rounds 5] [--max-tokens 64] [--env .venv-triton] [--work /tmp/bench-triton]
+"""
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import statistics
+import time
+import urllib.request
+from pathlib import Path
+
+from v4engine.builder.cli import main as v4build
+from v4engine.runtime.generator import Generator
+from v4engine.runtime.sampling import SamplingParams
+from v4engine.triton_repo import render
+from v4engine.triton_repo.server import TritonServer
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Parser:\n    def __init__(self, text):",
+           "for i in range(10):", "# Read the configuration file"]
+
+
+def http_generate(url: str, prompt: str, max_tokens: int) -> tuple[float, dict]:
+    body = json.dumps({"text_input": prompt, "max_tokens": max_tokens, "ignore_eos": True}).encode()
+    started = time.perf_counter()
+    with urllib.request.urlopen(urllib.request.Request(f"http://{url}/v2/models/ensemble/generate", body)) as r:
+        answer = json.loads(r.read())
+    return time.perf_counter() - started, answer
+
+
+def http_first_token(url: str, prompt: str, max_tokens: int) -> float:
+    """Seconds to the first chunk of /generate_stream (the stream is then read to its end)."""
+    body = json.dumps({"text_input": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True})
+    connection = http.client.HTTPConnection(url)
+    started = time.perf_counter()
+    connection.request("POST", "/v2/models/ensemble/generate_stream", body)
+    answer = connection.getresponse()
+    while not answer.readline().startswith(b"data: "):
+        pass
+    first = time.perf_counter() - started
+    answer.read()
+    connection.close()
+    return first
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--engine", type=Path, help="an engine directory (default: build --checkpoint into --work)")
+    p.add_argument("--checkpoint", type=Path, default=ROOT / "examples" / "tiny-v4")
+    p.add_argument("--env", type=Path, default=ROOT / ".venv-triton", help="the serving environment")
+    p.add_argument("--work", type=Path, default=Path("/tmp/bench-triton"))
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--max-tokens", type=int, default=64)
+    args = p.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    engine = args.engine
+    if engine is None:
+        engine = args.work / "engine"
+        if not (engine / "engine.json").is_file():
+            v4build(["--checkpoint", str(args.checkpoint), "--mtp", "3", "--output", str(engine), "--quiet"])
+    repo = render(engine, args.work / "repo", force=True)
+    generator = Generator.from_engine_dir(engine)
+    params = SamplingParams(max_new_tokens=args.max_tokens, ignore_eos=True)
+    local = {"seconds": [], "ttft": []}
+    served = {"seconds": [], "ttft": [], "steps": []}    # steps: the runtime's own step time inside the server
+    with TritonServer(repo, args.env, work_dir=args.work / "server") as server:
+        for prompt in PROMPTS[:1]:                       # warm both paths up
+            generator.generate([prompt], params)
+            http_generate(server.http_url, prompt, args.max_tokens)
+        for _ in range(args.rounds):
+            for prompt in PROMPTS:
+                started = time.perf_counter()
+                [result] = generator.generate([prompt], params)
+                local["seconds"].append(time.perf_counter() - started)
+                started = time.perf_counter()
+                stream = generator.stream(prompt, params)
+                next(stream)
+                local["ttft"].append(time.perf_counter() - started)
+                stream.close()                           # cancels the rest of the request
+                seconds, answer = http_generate(server.http_url, prompt, args.max_tokens)
+                assert answer["output_ids"] == result.token_ids, "Triton and the runtime disagree"
+                served["seconds"].append(seconds)
+                served["steps"].append(args.max_tokens / json.loads(answer["metrics"])["tokens_per_second"])
+                served["ttft"].append(http_first_token(server.http_url, prompt, args.max_tokens))
+    n = args.max_tokens
+    rows = [("in-process runtime", local), ("Triton ensemble (HTTP generate; generate_stream for TTFT)", served)]
+    print(f"engine {engine}, greedy, {n} new tokens, batch 1, {args.rounds} rounds x {len(PROMPTS)} prompts\n")
+    print("| path | tokens/s (median) | time to first token (median) |\n|---|---|---|")
+    for name, figures in rows:
+        print(f"| {name} | {n / statistics.median(figures['seconds']):.1f} | "
+              f"{1000 * statistics.median(figures['ttft']):.1f} ms |")
+    overhead = statistics.median(served["seconds"]) / statistics.median(local["seconds"]) - 1
+    inside = statistics.median(s / r for s, r in zip(served["seconds"], served["steps"])) - 1
+    print(f"\nTriton vs in-process, time per request: {100 * overhead:+.1f} % "
+          f"(tokens/s ratio {statistics.median(local['seconds']) / statistics.median(served['seconds']):.3f})")
+    print(f"Triton's own share, per request: client time vs the runtime's step time inside the server: "
+          f"{100 * inside:+.1f} % (median)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""Serve an engine with Triton: render its model repository and start the server that nvidia-pytriton bundles.
+
+    .venv/bin/python examples/triton/serve.py [ENGINE_DIR] [--work out/triton]
+
+Without ENGINE_DIR it builds the shipped trained tiny V4 (examples/tiny-v4, --mtp 3) into WORK/engine first. The
+server runs until Ctrl-C; its addresses are printed and written to WORK/server.json for query.py.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+from pathlib import Path
+
+from v4engine.builder.cli import main as v4build
+from v4engine.triton_repo import render
+from v4engine.triton_repo.server import TritonServer
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description="Render the Triton repository for an engine and serve it.")
+    p.add_argument("engine", type=Path, nargs="?", help="engine directory (default: build examples/tiny-v4)")
+    p.add_argument("--work", type=Path, default=ROOT / "out" / "triton", help="repository, engine and server log")
+    p.add_argument("--env", type=Path, default=ROOT / ".venv-triton", help="the serving environment "
+                   "(`make triton-env`)")
+    args = p.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    engine = args.engine or args.work / "engine"
+    if args.engine is None and not (engine / "engine.json").is_file():
+        v4build(["--checkpoint", str(ROOT / "examples" / "tiny-v4"), "--mtp", "3", "--output", str(engine)])
+    repo = render(engine, args.work / "repo", force=True)
+    with TritonServer(repo, args.env, work_dir=args.work / "server") as server:
+        urls = {"http": server.http_url, "grpc": server.grpc_url, "metrics": server.metrics_url}
+        (args.work / "server.json").write_text(json.dumps(urls))
+        print(f"serving {engine}: HTTP {urls['http']}, gRPC {urls['grpc']}, metrics {urls['metrics']} "
+              f"(log: {server.log_path}); Ctrl-C stops", flush=True)
+        try:
+            signal.pause()
+        except KeyboardInterrupt:
+            pass                                        # leaving `with` stops the server
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))      # a SIGTERM stops the server as Ctrl-C does
+    main()

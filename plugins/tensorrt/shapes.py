@@ -1,0 +1,128 @@
+"""Output shapes and I/O types of the v4 ops as their TensorRT plugins declare them; imports no tensorrt.
+
+This is the one place the plugins (plugins.py: `@trtp.register` and `@trtp.autotune`) take shapes and types from,
+so it must hold without TensorRT; tests/test_tensorrt_plugins.py checks it against ONNX shape inference on
+exported graphs. A shape is a sequence of dims; a dim is an int or a symbolic expression: TensorRT's `ShapeExpr`
+while an engine is built, a stand-in in tests. The formulas therefore use only what a `ShapeExpr` supports with
+an expression on the left: `+`, `*` and `//` (the discipline of `kernels/launch.cdiv`), and `minimum`, which
+takes the symbolic min as a parameter (`trtp.min` on TensorRT) because min() cannot see into an expression.
+
+Types use the names of TensorRT's autotune grammar. The activations of one call (q, kv, rows, a compressor's
+values and gates, and the outputs derived from them) share one type, FP32, FP16 or BF16, as the kernels assume;
+positions, row ids and top-k picks are INT64; the attention sink and the indexer's head weights are FP32, as the
+model keeps them whatever the activation type (FP32_PARAMETERS and `weights_proj(x).float()` in builder/model).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+Dim = Any                                  # int or symbolic expression
+Shape = Sequence[Dim]
+MinFn = Callable[[Dim, Dim], Dim]
+
+ACT = "ACT"                                # placeholder: the call's activation type
+ACTIVATION_TYPES = ("FP32", "FP16", "BF16")
+F32, I64 = "FP32", "INT64"
+
+
+def minimum(a: Dim, b: Dim, symbolic_min: MinFn) -> Dim:
+    """min(a, b): Python's for two ints (trtp.min refuses those), symbolic_min otherwise."""
+    if isinstance(a, int) and isinstance(b, int):
+        return min(a, b)
+    return symbolic_min(a, b)
+
+
+def emitted_rows(L: Dim, ratio: int, state_tokens: int) -> Dim:
+    """Rows a compressor call emits, E = ceil((L - state_tokens) / ratio), with + and // only."""
+    return (L + (ratio - 1 - state_tokens)) // ratio
+
+
+OutputsFn = Callable[[Sequence[Shape], Mapping[str, Any], MinFn], list[Shape]]
+DimsFn = Callable[[Sequence[Shape]], dict[str, Dim]]
+
+
+@dataclass(frozen=True)
+class OpShapes:
+    """One op's I/O as a plugin declares it; inputs in the order of the op's PyTorch function."""
+    input_types: tuple[str, ...]           # per input: ACT or a fixed type
+    output_types: tuple[str, ...]
+    outputs: OutputsFn                     # (input shapes, attributes, symbolic min) -> output shapes
+    dims: DimsFn                           # input shapes -> the named dims of the op's launch plan (kernels/)
+    static: tuple[str, ...]                # dims the kernel bakes in as constexprs: fixed when an engine is built
+
+    @property
+    def activation_input(self) -> int:
+        """An input that carries the activation type (every op has one: the type outputs follow)."""
+        return self.input_types.index(ACT)
+
+    def combinations(self) -> list[tuple[str, ...]]:
+        """Every supported type combination, inputs then outputs: one per activation type."""
+        io = self.input_types + self.output_types
+        return [tuple(act if t == ACT else t for t in io) for act in ACTIVATION_TYPES]
+
+
+# --------------------------------------------------------------------------- attention
+def _like_q(shapes: Sequence[Shape], attrs: Mapping[str, Any], symbolic_min: MinFn) -> list[Shape]:
+    return [tuple(shapes[0])]
+
+
+def _sliding_dims(shapes: Sequence[Shape]) -> dict[str, Dim]:
+    """q [B,S,H,d], q_pos, kv [B,T,d], kv_pos, sink."""
+    (B, S, H, d), _, kv = shapes[:3]
+    return dict(B=B, S=S, H=H, d=d, T=kv[1])
+
+
+def _hca_dims(shapes: Sequence[Shape]) -> dict[str, Dim]:
+    """... rows [B,R,d], then row_ids (HCA) or topk_idx (CSA), sink."""
+    return _sliding_dims(shapes) | dict(R=shapes[4][1])
+
+
+def _csa_dims(shapes: Sequence[Shape]) -> dict[str, Dim]:
+    """... topk_idx [B,S,k]."""
+    return _hca_dims(shapes) | dict(k=shapes[5][2])
+
+
+_WINDOW = (ACT, I64, ACT, I64)             # q, q_pos, kv, kv_pos
+SLIDING_ATTENTION = OpShapes(_WINDOW + (F32,), (ACT,), _like_q, _sliding_dims, static=("d",))
+HCA_ATTENTION = OpShapes(_WINDOW + (ACT, I64, F32), (ACT,), _like_q, _hca_dims, static=("d",))
+CSA_ATTENTION = OpShapes(_WINDOW + (ACT, I64, F32), (ACT,), _like_q, _csa_dims, static=("d",))
+
+
+# --------------------------------------------------------------------------- indexer
+def _indexer_topk(shapes: Sequence[Shape], attrs: Mapping[str, Any], symbolic_min: MinFn) -> list[Shape]:
+    """q [B,S,h,dI], weights, keys [B,R,dI], key_ids, q_pos -> picks [B,S,min(topk,R)]."""
+    q, _, keys = shapes[:3]
+    return [(q[0], q[1], minimum(attrs["topk"], keys[1], symbolic_min))]
+
+
+def _indexer_dims(shapes: Sequence[Shape]) -> dict[str, Dim]:
+    (B, S, h, dI), _, keys = shapes[:3]
+    return dict(B=B, S=S, h=h, dI=dI, R=keys[1])
+
+
+INDEXER_TOPK = OpShapes((ACT, F32, ACT, I64, I64), (I64,), _indexer_topk, _indexer_dims, static=("h", "dI"))
+
+
+# --------------------------------------------------------------------------- compressors
+def _hca_compress(shapes: Sequence[Shape], attrs: Mapping[str, Any], symbolic_min: MinFn) -> list[Shape]:
+    """kv, gate [B,L,C], first_pos [B] -> rows [B,E,C], row_ids [B,E]."""
+    B, L, C = shapes[0]
+    E = emitted_rows(L, attrs["ratio"], attrs["state_tokens"])
+    return [(B, E, C), (B, E)]
+
+
+def _csa_compress(shapes: Sequence[Shape], attrs: Mapping[str, Any], symbolic_min: MinFn) -> list[Shape]:
+    """As HCA, but a row pools the halves Ca | Cb of the channels: rows [B,E,C/2]."""
+    (B, E, C), row_ids = _hca_compress(shapes, attrs, symbolic_min)
+    return [(B, E, C // 2), row_ids]
+
+
+def _compress_dims(shapes: Sequence[Shape]) -> dict[str, Dim]:
+    B, L, C = shapes[0]
+    return dict(B=B, L=L, C=C)
+
+
+HCA_COMPRESS = OpShapes((ACT, ACT, I64), (ACT, I64), _hca_compress, _compress_dims, static=("C",))
+CSA_COMPRESS = OpShapes((ACT, ACT, I64), (ACT, I64), _csa_compress, _compress_dims, static=("C",))

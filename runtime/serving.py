@@ -1,0 +1,185 @@
+"""Serve concurrent asyncio callers from one scheduler: a background thread steps it while requests are live.
+
+An asyncio server (Triton's Python backend runs `async def execute` on an event loop) cannot call
+Scheduler.step() on its loop: a step is a blocking engine call, and the loop must go on taking and answering
+requests meanwhile. So one thread owns the scheduler. Between steps it takes new requests and cancellations from
+a queue and asks each live request's `is_cancelled` callback; it steps while any request is live, so requests
+that arrive together share the same engine calls; and it hands each request's new tokens to its Stream, on the
+caller's event loop. Admission is bounded: while max_batch requests run and max_queue_size more wait, a new
+request is refused at once (QueueFullError) instead of waiting without end.
+
+    serving = ServingLoop(Generator.from_engine_dir(path), max_queue_size=16)
+    stream = serving.submit(prompt_ids, SamplingParams(max_new_tokens=32))      # inside a coroutine
+    async for update in stream:
+        print(update.tokens)                    # the last update has finished=True; stream.request has metrics
+"""
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from .generator import Generator, Prompt
+from .sampling import RequestError, SamplingParams
+from .scheduler import Request
+
+
+class QueueFullError(RequestError):
+    """max_batch requests are running and max_queue_size more are waiting: the request is refused."""
+
+
+@dataclass(frozen=True)
+class Update:
+    """Tokens one scheduler step gave a request (empty on a last update that only ends it), and when."""
+
+    tokens: list[int]
+    finished: bool
+    time: float                             # time.perf_counter() when the step ended
+
+
+class Stream:
+    """One request's updates, consumed with `async for` on the event loop that submitted it.
+
+    Raises the engine's exception if a step failed. After the last update, `request.finish_reason` is "stop",
+    "length" or "cancelled" and `request.metrics` holds its acceptance figures."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, is_cancelled: Callable[[], bool] | None):
+        self.arrival = time.perf_counter()
+        self.is_cancelled = is_cancelled
+        self.request: Request | None = None           # set by the scheduler thread once queued there
+        self._loop, self._updates = loop, asyncio.Queue()
+        self._done = False
+
+    def _put(self, item: Update | BaseException) -> None:
+        """Called from the scheduler thread."""
+        self._loop.call_soon_threadsafe(self._updates.put_nowait, item)
+
+    def __aiter__(self) -> "Stream":
+        return self
+
+    async def __anext__(self) -> Update:
+        if self._done:
+            raise StopAsyncIteration
+        item = await self._updates.get()
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        self._done = item.finished
+        return item
+
+
+class ServingLoop:
+    """Owns `generator.scheduler` through a background thread; `submit` and `cancel` are safe from any thread.
+
+    `on_update()`, if given, runs on the scheduler thread whenever requests joined, left or stepped (e.g. to
+    export the engine-step counter and the queue size)."""
+
+    def __init__(self, generator: Generator, max_queue_size: int, on_update: Callable[[], None] | None = None):
+        self.generator, self.scheduler = generator, generator.scheduler
+        self.max_queue_size, self.on_update = max_queue_size, on_update
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: dict[int, Stream] = {}                 # request id -> stream; the scheduler thread's only
+        self._lock = threading.Lock()
+        self._in_flight = 0                                # submitted and not yet finished
+        self._thread = threading.Thread(target=self._run, name="v4engine-scheduler", daemon=True)
+        self._thread.start()
+
+    @property
+    def capacity(self) -> int:
+        return self.scheduler.max_batch + self.max_queue_size
+
+    @property
+    def queue_size(self) -> int:
+        """Requests accepted and not yet running."""
+        return max(0, self._in_flight - len(self.scheduler.active))
+
+    def submit(self, prompt: Prompt | Sequence[int], params: SamplingParams,
+               is_cancelled: Callable[[], bool] | None = None) -> Stream:
+        """Check and queue a request; call from a coroutine. Raises RequestError (QueueFullError when full)."""
+        ids = self.generator.encode(prompt)
+        self.scheduler.validate(ids, params)                # reads only the engine's fixed limits: thread-safe
+        with self._lock:
+            if self._in_flight >= self.capacity:
+                raise QueueFullError(f"the server is full: {self.scheduler.max_batch} requests running and "
+                                     f"{self.max_queue_size} waiting (max_queue_size); retry later")
+            self._in_flight += 1
+        stream = Stream(asyncio.get_running_loop(), is_cancelled)
+        self._commands.put((stream, ids, params))
+        return stream
+
+    def cancel(self, stream: Stream) -> None:
+        """Stop a request at the next step; its stream ends with finish_reason "cancelled"."""
+        self._commands.put((stream, None, None))
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Cancel every live request and stop the thread."""
+        self._commands.put(None)
+        self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ the scheduler thread
+    def _run(self) -> None:
+        while True:
+            commands = [] if self.scheduler.busy else [self._commands.get()]   # sleep while there is nothing to do
+            while True:
+                try:
+                    commands.append(self._commands.get_nowait())
+                except queue.Empty:
+                    break
+            for command in commands:
+                if command is None:
+                    for stream in list(self._live.values()):
+                        self._end(stream, cancel=True)
+                    return
+                self._take(*command)
+            for stream in list(self._live.values()):
+                if stream.is_cancelled is not None and stream.is_cancelled():
+                    self._end(stream, cancel=True)
+            if self.scheduler.busy:
+                self._step()
+            if self.on_update is not None:
+                self.on_update()
+
+    def _take(self, stream: Stream, ids: list[int] | None, params: SamplingParams | None) -> None:
+        if ids is None:                                    # a cancellation
+            if stream.request is not None and stream.request.id in self._live:
+                self._end(stream, cancel=True)
+            return
+        try:
+            stream.request = self.generator.submit(ids, params)
+        except Exception as e:                             # noqa: BLE001 - handed to the caller, who reports it
+            self._release()
+            stream._put(e)
+            return
+        self._live[stream.request.id] = stream
+
+    def _step(self) -> None:
+        try:
+            result = self.scheduler.step()
+        except Exception as e:                             # noqa: BLE001 - every live request gets the error
+            for stream in list(self._live.values()):
+                self.scheduler.cancel(stream.request)
+                del self._live[stream.request.id]
+                self._release()
+                stream._put(e)
+            return
+        now = time.perf_counter()
+        finished = {r.id for r in result.finished}
+        for request_id, tokens in result.new_tokens.items():
+            if tokens and request_id not in finished:
+                self._live[request_id]._put(Update(tokens, False, now))
+        for r in result.finished:
+            self._end(self._live[r.id], tokens=result.new_tokens.get(r.id, []), now=now)
+
+    def _end(self, stream: Stream, cancel: bool = False, tokens: Sequence[int] = (), now: float | None = None) -> None:
+        if cancel:
+            self.scheduler.cancel(stream.request)
+        del self._live[stream.request.id]
+        self._release()
+        stream._put(Update(list(tokens), True, now or time.perf_counter()))
+
+    def _release(self) -> None:
+        with self._lock:
+            self._in_flight -= 1

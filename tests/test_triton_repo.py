@@ -1,0 +1,148 @@
+"""The rendered model repository: every config.pbtxt is a valid Triton ModelConfig, the ensemble is wired
+completely and consistently (CPU and GPU variants alike), and bad input fails with one line naming the culprit,
+leaving nothing behind."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
+
+from v4engine.builder.cli import main as v4build
+from v4engine.runtime.errors import V4EngineError
+from v4engine.triton_repo import render
+
+MODELS = ("preprocessing", "v4_generate", "postprocessing", "ensemble")
+KIND = model_config_pb2.ModelInstanceGroup.Kind
+
+
+def configs(repo: Path) -> dict[str, model_config_pb2.ModelConfig]:
+    """Parse every config.pbtxt as Triton does (unknown fields and bad enum values are errors)."""
+    parsed = {}
+    for name in MODELS:
+        config = text_format.Parse((repo / name / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+        assert config.name == name
+        parsed[name] = config
+    return parsed
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["cpu", "gpu"])
+def variant(request, trained_engine, tmp_path_factory) -> tuple[bool, dict[str, model_config_pb2.ModelConfig]]:
+    gpu = request.param
+    repo = render(trained_engine, tmp_path_factory.mktemp("repo") / "repo", gpu=gpu, max_queue_size=5)
+    return gpu, configs(repo)
+
+
+def test_every_model_has_its_folder_and_code(trained_engine, tmp_path):
+    repo = render(trained_engine, tmp_path / "repo")
+    assert sorted(p.name for p in repo.iterdir()) == sorted(MODELS)
+    for name in MODELS[:3]:
+        code = (repo / name / "1" / "model.py").read_text()
+        assert f"from v4engine.triton_repo.models.{name} import TritonPythonModel" in code
+    assert (repo / "ensemble" / "1").is_dir() and not any((repo / "ensemble" / "1").iterdir())
+
+
+def test_ensemble_steps_are_fed_and_agree_on_types_and_shapes(variant):
+    _, models = variant
+    ensemble = models["ensemble"]
+    available = {t.name: (t.data_type, list(t.dims), t.optional) for t in ensemble.input}
+    for step in ensemble.ensemble_scheduling.step:
+        model = models[step.model_name]
+        inputs = {t.name: t for t in model.input}
+        assert set(step.input_map) <= set(inputs), f"{step.model_name}: maps an input it does not have"
+        for t in model.input:
+            assert t.optional or t.name in step.input_map, f"{step.model_name}.{t.name} is not fed"
+        for key, source in step.input_map.items():
+            assert source in available, f"{step.model_name}.{key} reads {source}, which nothing produced before"
+            dtype, dims, optional = available[source]
+            assert (dtype, dims) == (inputs[key].data_type, list(inputs[key].dims)), f"{step.model_name}.{key}"
+            assert inputs[key].optional or not optional, f"optional {source} feeds required {step.model_name}.{key}"
+        outputs = {t.name: t for t in model.output}
+        for key, target in step.output_map.items():
+            assert target not in available, f"{target} is produced twice"
+            available[target] = (outputs[key].data_type, list(outputs[key].dims), False)
+    for t in ensemble.output:
+        assert available.get(t.name, (None, None))[:2] == (t.data_type, list(t.dims)), f"ensemble output {t.name}"
+
+
+def test_the_client_facing_contract(variant):
+    _, models = variant
+    inputs = {t.name: t for t in models["ensemble"].input}
+    expected = ["text_input", "input_ids", "max_tokens", "stop", "temperature", "top_p", "top_k", "seed",
+                "num_draft_tokens", "ignore_eos", "stream", "exclude_input_in_output"]
+    assert list(inputs) == expected
+    assert [n for n, t in inputs.items() if not t.optional] == ["max_tokens"]
+    assert [t.name for t in models["ensemble"].output] == ["text_output", "output_ids", "finish_reason", "metrics"]
+
+
+def test_generation_is_decoupled_with_a_bounded_queue(variant):
+    _, models = variant
+    generate = models["v4_generate"]
+    assert generate.model_transaction_policy.decoupled
+    policy = generate.dynamic_batching.default_queue_policy
+    params = {k: v.string_value for k, v in generate.parameters.items()}
+    assert policy.max_queue_size == int(params["max_batch"]) + 5 == 13
+    assert policy.timeout_action == model_config_pb2.ModelQueuePolicy.REJECT
+    assert Path(params["engine_dir"]).is_absolute() and params["max_queue_size"] == "5"
+    assert not models["postprocessing"].HasField("dynamic_batching"), "it must see cancelled requests"
+    assert all(m.max_batch_size == 0 for m in models.values())
+
+
+def test_only_the_gpu_variant_puts_generation_on_the_gpu(variant):
+    gpu, models = variant
+    kinds = {name: {g.kind for g in m.instance_group} for name, m in models.items() if name != "ensemble"}
+    assert kinds["v4_generate"] == {KIND.KIND_GPU if gpu else KIND.KIND_CPU}
+    assert kinds["preprocessing"] == kinds["postprocessing"] == {KIND.KIND_CPU}
+    assert ("providers" in models["v4_generate"].parameters) == gpu
+
+
+def test_the_cli_renders_and_explains_every_flag(trained_engine, tmp_path, capsys):
+    assert v4build(["triton-repo", str(trained_engine), str(tmp_path / "repo"), "--gpu", "--max-batch", "4",
+                    "--max-queue-size", "2", "--instance-count", "2"]) == 0
+    generate = configs(tmp_path / "repo")["v4_generate"]
+    assert generate.instance_group[0].count == 2 and generate.parameters["max_batch"].string_value == "4"
+    with pytest.raises(SystemExit):
+        v4build(["triton-repo", "--help"])
+    help_text = capsys.readouterr().out
+    for flag in ("--gpu", "--max-batch", "--max-queue-size", "--instance-count", "--force"):
+        assert flag in help_text
+
+
+@pytest.mark.parametrize("case, message", [
+    ("not an engine", "engine.json: not found"),
+    ("no tokenizer", "no tokenizer.json"),
+    ("batch too large", "max_batch must be an integer from 1 to 8"),
+    ("negative queue", "max_queue_size must be an integer >= 0"),
+    ("exists", "already exists"),
+    ("not a repository", "is not a model repository"),
+])
+def test_bad_input_is_one_clear_line_and_leaves_nothing(trained_engine, tmp_path, case, message):
+    engine, out, options = trained_engine, tmp_path / "repo", {}
+    if case == "not an engine":
+        engine = tmp_path
+    elif case == "no tokenizer":
+        engine = Path(shutil.copytree(trained_engine, tmp_path / "engine", symlinks=True))
+        (engine / "tokenizer.json").unlink()
+    elif case == "batch too large":
+        options = {"max_batch": 9}
+    elif case == "negative queue":
+        options = {"max_queue_size": -1}
+    elif case == "exists":
+        render(trained_engine, out)
+    elif case == "not a repository":
+        out.mkdir()
+        options = {"force": True}
+    before = sorted(tmp_path.iterdir())
+    with pytest.raises(V4EngineError, match=message) as error:
+        render(engine, out, **options)
+    assert "\n" not in str(error.value)
+    assert sorted(tmp_path.iterdir()) == before, "no half-written repository, no temporary folder"
+
+
+def test_force_replaces_a_repository(trained_engine, tmp_path):
+    out = render(trained_engine, tmp_path / "repo", max_queue_size=1)
+    render(trained_engine, out, max_queue_size=7, force=True)
+    assert configs(out)["v4_generate"].parameters["max_queue_size"].string_value == "7"
+    assert [p.name for p in tmp_path.iterdir()] == ["repo"]

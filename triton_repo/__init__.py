@@ -1,0 +1,72 @@
+"""v4engine.triton_repo: a Triton Inference Server model repository that serves an engine directory.
+
+    from v4engine.triton_repo import render
+    render("out/engine", "out/triton-repo")            # or: v4build triton-repo out/engine out/triton-repo
+
+The repository holds four models (config.py): `preprocessing` -> `v4_generate` -> `postprocessing`, wired by
+`ensemble`, the model clients call (HTTP generate / generate_stream, gRPC streaming). The Python models' code is
+this package's `models/`; each rendered model.py only imports it, so the server's Python environment needs
+v4engine installed (and, for Triton 2.51's Python backend, numpy < 2). The engine directory is referenced by its
+absolute path in the configs' parameters, not copied. `gpu=True` renders the same contract with v4_generate on
+KIND_GPU instances (ONNX Runtime's CUDA provider). server.py starts the Triton that the nvidia-pytriton wheel
+bundles on a rendered repository.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from v4engine.runtime.engine import EngineManifest
+from v4engine.runtime.errors import V4EngineError
+from v4engine.runtime.staging import staged_folder
+
+from .config import STEPS, Options, model_configs
+
+MODEL_PY = '''"""Triton Python model `{name}` of a v4engine repository: {doc}."""
+from v4engine.triton_repo.models.{name} import TritonPythonModel  # noqa: F401
+'''
+
+
+class RenderError(V4EngineError):
+    """The repository cannot be rendered as asked (engine directory, output folder, option values)."""
+
+
+def render(engine_dir: str | Path, out: str | Path, *, gpu: bool = False, max_batch: int | None = None,
+           max_queue_size: int = 32, instance_count: int = 1, force: bool = False) -> Path:
+    """Write the model repository for `engine_dir` to `out` and return `out`.
+
+    max_batch: requests generating together (default: the largest batch the engine was built for);
+    max_queue_size: requests that may wait for a batch slot; beyond that a request is refused at once;
+    instance_count: v4_generate instances, each with its own scheduler and engine sessions.
+    The repository is written to a temporary folder beside `out` and renamed at the end: a failure leaves
+    nothing behind, and `force` replaces an existing `out` only then."""
+    engine_dir, out = Path(engine_dir).resolve(), Path(out)
+    manifest = EngineManifest.read(engine_dir)
+    if not (engine_dir / "tokenizer.json").is_file():
+        raise RenderError(f"{engine_dir}: no tokenizer.json; the repository tokenizes text_input with it")
+    built_batch = int(manifest.build.get("max_batch", 8))
+    max_batch = built_batch if max_batch is None else max_batch
+    limits = (("max_batch", max_batch, 1, built_batch), ("max_queue_size", max_queue_size, 0, None),
+              ("instance_count", instance_count, 1, None))
+    for name, value, low, high in limits:
+        if not isinstance(value, int) or value < low or (high is not None and value > high):
+            bound = f"from {low} to {high} (the engine was built for batches of {high})" if high else f">= {low}"
+            raise RenderError(f"{name} must be an integer {bound} (got {value!r})")
+    if out.exists() and not force:
+        raise RenderError(f"{out}: already exists (pass --force to replace it)")
+    if out.exists() and not (out / "ensemble" / "config.pbtxt").is_file():
+        raise RenderError(f"{out}: exists and is not a model repository; --force only replaces a repository")
+    if not out.parent.is_dir():
+        raise RenderError(f"{out.parent}: no such folder")
+    try:
+        options = Options(engine_dir=str(engine_dir), max_seq_len=int(manifest.build.get("max_seq_len", 4096)),
+                          max_batch=max_batch, max_queue_size=max_queue_size, instance_count=instance_count, gpu=gpu)
+        configs = model_configs(options)
+    except ValueError as e:
+        raise RenderError(f"{engine_dir}: cannot be written into a config.pbtxt: {e}") from None
+    with staged_folder(out, "rendering") as tmp:
+        for name, text in configs.items():
+            (tmp / name / "1").mkdir(parents=True)        # the ensemble's version folder stays empty
+            (tmp / name / "config.pbtxt").write_text(text)
+        for step in STEPS:
+            (tmp / step.name / "1" / "model.py").write_text(MODEL_PY.format(name=step.name, doc=step.doc))
+    return out

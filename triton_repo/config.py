@@ -1,0 +1,172 @@
+"""The repository's tensor contract and the config.pbtxt of each model, generated from it.
+
+Four models, one flow (DESIGN.md):
+
+    text_input | input_ids, stop, max_tokens ──► preprocessing ──► prompt_ids, stop_words
+    prompt_ids, stop_words, max_tokens, sampling ──► v4_generate (decoupled) ──► ids of each step, metrics
+    ids of each response, stop strings ──► postprocessing ──► text_output
+    ensemble: the three steps behind the client-facing names
+
+The ensemble is wired by name from the lists below: a step input takes the ensemble input or output of the same
+name if there is one, else the internal tensor "_<name>" that an earlier step produces; a step output feeds the
+ensemble output of its name, else "_<name>". The GPU variant differs in one place: v4_generate's instances are
+KIND_GPU and open the engine with ONNX Runtime's CUDA provider (a TensorRT engine loads as the runtime decides).
+Every model has max_batch_size 0: one prompt per request, and v4_generate's scheduler, not Triton, batches the
+requests in flight.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    dtype: str                      # Triton's data type without its TYPE_ prefix
+    dims: tuple[int, ...] = (1,)
+    optional: bool = False
+
+
+@dataclass(frozen=True)
+class Options:
+    """What render() puts into the configs."""
+
+    engine_dir: str
+    max_seq_len: int
+    max_batch: int
+    max_queue_size: int
+    instance_count: int = 1
+    gpu: bool = False
+
+
+# The settings a client may send, named as tensorrtllm_backend names them where it has the setting.
+SAMPLING = (
+    Tensor("temperature", "FP32", optional=True),       # 0 (the default) is greedy
+    Tensor("top_p", "FP32", optional=True),
+    Tensor("top_k", "INT32", optional=True),
+    Tensor("seed", "INT64", optional=True),
+    Tensor("num_draft_tokens", "INT32", optional=True),  # MTP drafts per step, 0..the engine's k (default k)
+    Tensor("ignore_eos", "BOOL", optional=True),
+    Tensor("stream", "BOOL", optional=True),             # one response per step instead of one at the end
+    Tensor("exclude_input_in_output", "BOOL", optional=True),   # default true: generated text only
+)
+MAX_TOKENS = Tensor("max_tokens", "INT32")
+PROMPT_IDS = Tensor("prompt_ids", "INT32", (-1,))
+STOP_WORDS = Tensor("stop_words", "STRING", (-1,))
+# What a client gets: the ids and text of each response; finish_reason ("stop", "length") and the request's
+# acceptance metrics (JSON) on the last response, "" before it.
+TEXT_OUTPUT, OUTPUT_IDS = Tensor("text_output", "STRING"), Tensor("output_ids", "INT32", (-1,))
+FINISH_REASON, METRICS = Tensor("finish_reason", "STRING"), Tensor("metrics", "STRING")
+# What v4_generate tells postprocessing about each response (models/postprocessing.py)
+ECHO_IDS = Tensor("echo_ids", "INT32", (-1,))              # prompt ids shown before the text (first response)
+GENERATED_IDS = Tensor("generated_ids", "INT32", (-1,))    # every id generated so far
+NEW_TOKENS = Tensor("new_tokens", "INT32")                 # how many of them this response adds
+CANCEL_KEY = Tensor("cancel_key", "STRING")                # where postprocessing relays a cancellation
+STOP_STRINGS = Tensor("stop_strings", "STRING", (-1,))     # stop_words again: Triton refuses a step that mixes
+                                                           # tensors of a decoupled step with earlier ones
+
+ENSEMBLE_INPUTS = (Tensor("text_input", "STRING", optional=True), Tensor("input_ids", "INT32", (-1,), optional=True),
+                   MAX_TOKENS, Tensor("stop", "STRING", (-1,), optional=True), *SAMPLING)
+ENSEMBLE_OUTPUTS = (TEXT_OUTPUT, OUTPUT_IDS, FINISH_REASON, METRICS)
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    inputs: tuple[Tensor, ...]
+    outputs: tuple[Tensor, ...]
+    doc: str
+    decoupled: bool = False
+    dynamic_batching: bool = True
+
+
+PREPROCESSING = Model(
+    "preprocessing", inputs=ENSEMBLE_INPUTS[:4], outputs=(PROMPT_IDS, STOP_WORDS),
+    doc="text or token ids -> prompt ids; stop strings; max_tokens checked against the engine")
+V4_GENERATE = Model(
+    "v4_generate", inputs=(PROMPT_IDS, MAX_TOKENS, replace(STOP_WORDS, optional=True), *SAMPLING),
+    outputs=(OUTPUT_IDS, ECHO_IDS, GENERATED_IDS, NEW_TOKENS, FINISH_REASON, METRICS, CANCEL_KEY, STOP_STRINGS),
+    doc="MTP speculative decoding; one v4engine.runtime scheduler batches every request in flight", decoupled=True)
+POSTPROCESSING = Model(
+    "postprocessing", inputs=(ECHO_IDS, GENERATED_IDS, NEW_TOKENS, FINISH_REASON, CANCEL_KEY, STOP_STRINGS),
+    outputs=(TEXT_OUTPUT,),
+    doc="incremental detokenization of each response; relays a client's cancellation to v4_generate",
+    # Triton's dynamic batcher drops cancelled requests before the model sees them; this model must see them to
+    # relay the cancellation to v4_generate (models/relay.py).
+    dynamic_batching=False)
+STEPS = (PREPROCESSING, V4_GENERATE, POSTPROCESSING)
+
+
+def ensemble_map(step: Model) -> tuple[dict[str, str], dict[str, str]]:
+    """(input_map, output_map) of one ensemble step: step tensor name -> ensemble tensor name."""
+    public = {t.name for t in ENSEMBLE_INPUTS + ENSEMBLE_OUTPUTS}
+    inputs = {t.name: t.name if t.name in public else f"_{t.name}" for t in step.inputs}
+    outputs = {t.name: t.name if t.name in {o.name for o in ENSEMBLE_OUTPUTS} else f"_{t.name}"
+               for t in step.outputs}
+    return inputs, outputs
+
+
+# ---------------------------------------------------------------------- config.pbtxt text
+def quote(value: str) -> str:
+    """A protobuf text-format string literal."""
+    if any(ord(c) < 32 for c in value):
+        raise ValueError(f"{value!r} holds a control character")
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def tensors(kind: str, items: tuple[Tensor, ...]) -> str:
+    rows = []
+    for t in items:
+        optional = " optional: true" if t.optional else ""
+        rows.append(f'  {{ name: "{t.name}" data_type: TYPE_{t.dtype} dims: [ {", ".join(map(str, t.dims))} ]'
+                    f"{optional} }}")
+    return f"{kind} [\n" + ",\n".join(rows) + "\n]\n"
+
+
+def parameters(values: dict[str, object]) -> str:
+    return "".join(f"parameters {{ key: {quote(k)} value: {{ string_value: {quote(str(v))} }} }}\n"
+                   for k, v in values.items())
+
+
+def python_model(model: Model, options: Options) -> str:
+    """config.pbtxt of one Python-backend step."""
+    generate = model is V4_GENERATE
+    kind = "KIND_GPU" if generate and options.gpu else "KIND_CPU"
+    count = options.instance_count if generate else 1
+    text = (f"# {model.doc}\n" f'name: "{model.name}"\nbackend: "python"\nmax_batch_size: 0\n'
+            + ("model_transaction_policy { decoupled: true }\n" if model.decoupled else "")
+            + tensors("input", model.inputs) + tensors("output", model.outputs)
+            + f"instance_group [ {{ count: {count} kind: {kind} }} ]\n")
+    if model.dynamic_batching:
+        # v4_generate takes every request at once (its execute is async); Triton's own queue only has to hold
+        # a burst: as many as the model admits (max_batch running + max_queue_size waiting), then REJECT.
+        limit = options.max_batch + options.max_queue_size
+        text += ("dynamic_batching { default_queue_policy { max_queue_size: %d timeout_action: REJECT } }\n" % limit
+                 if generate else "dynamic_batching { }\n")
+    values: dict[str, object] = {"engine_dir": options.engine_dir}
+    if model is PREPROCESSING:
+        values["max_seq_len"] = options.max_seq_len
+    if generate:
+        values.update(max_seq_len=options.max_seq_len, max_batch=options.max_batch,
+                      max_queue_size=options.max_queue_size)
+        if options.gpu:
+            values["providers"] = "CUDAExecutionProvider,CPUExecutionProvider"
+    return text + parameters(values)
+
+
+def ensemble_model() -> str:
+    steps = []
+    for step in STEPS:
+        inputs, outputs = ensemble_map(step)
+        maps = [f'input_map {{ key: "{k}" value: "{v}" }}' for k, v in inputs.items()]
+        maps += [f'output_map {{ key: "{k}" value: "{v}" }}' for k, v in outputs.items()]
+        steps.append(f'  {{ model_name: "{step.name}" model_version: -1\n    ' + "\n    ".join(maps) + " }")
+    return ('# the client-facing model: preprocessing -> v4_generate -> postprocessing\n'
+            'name: "ensemble"\nplatform: "ensemble"\nmax_batch_size: 0\n'
+            + tensors("input", ENSEMBLE_INPUTS) + tensors("output", ENSEMBLE_OUTPUTS)
+            + "ensemble_scheduling { step [\n" + ",\n".join(steps) + "\n] }\n")
+
+
+def model_configs(options: Options) -> dict[str, str]:
+    """config.pbtxt text per model name."""
+    return {**{step.name: python_model(step, options) for step in STEPS}, "ensemble": ensemble_model()}

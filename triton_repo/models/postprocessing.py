@@ -1,0 +1,42 @@
+"""postprocessing: the ids of each v4_generate response -> its text_output.
+
+Each response of a stream reaches this step as a request of its own, so the step keeps no state: a request
+carries every id generated so far and how many of them are new, and its text is the piece those new ids release
+(v4engine.runtime.detokenize.text_piece: never half of a multi-byte character, spaces kept, the text cut before
+the first stop string, held-back text released by the last response). The pieces of a stream join to exactly
+the text v4engine.runtime gives for the same request. With `exclude_input_in_output` false, the first response's
+text starts with the prompt's (`echo_ids`).
+
+A cancelled request here means the client cancelled the ensemble request: its cancel_key is relayed to the
+v4_generate instance that is still generating for it (models/relay.py).
+"""
+from __future__ import annotations
+
+import triton_python_backend_utils as pb_utils
+
+from v4engine.runtime.detokenize import text_piece
+from v4engine.runtime.generator import load_tokenizer
+
+from . import io
+from .relay import relay_cancel
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict) -> None:
+        self.tokenizer = load_tokenizer(io.parameters(args)["engine_dir"])
+
+    def execute(self, requests: list) -> list:
+        responses = []
+        for request in requests:
+            if request.is_cancelled():
+                relay_cancel(io.array(request, "cancel_key")[0])
+                # answered, not failed: in Triton 2.51 an error here leaves the cancelled ensemble request in
+                # flight for good, and the server's shutdown then waits for it until --exit-timeout-secs
+                responses.append(pb_utils.InferenceResponse([io.text("text_output", "")]))
+                continue
+            echo, generated = io.array(request, "echo_ids").tolist(), io.array(request, "generated_ids").tolist()
+            piece = text_piece(self.tokenizer, generated, io.scalar(request, "new_tokens"),
+                               io.strings(request, "stop_strings"), final=io.scalar(request, "finish_reason") != "")
+            prefix = self.tokenizer.decode(echo) if echo else ""
+            responses.append(pb_utils.InferenceResponse([io.text("text_output", prefix + piece)]))
+        return responses

@@ -1,0 +1,53 @@
+"""preprocessing: the request as the client sent it -> prompt ids and stop strings for v4_generate.
+
+The prompt is `text_input` (UTF-8, tokenized with the engine's tokenizer.json, no special tokens added: as
+`v4engine.runtime.Generator.encode` does) or `input_ids` (token ids as given; v4_generate checks them against the
+vocabulary). `stop` strings are checked to be UTF-8 and empty ones dropped. What cannot be served is refused here
+with one line naming the input: no prompt or two, text that is not UTF-8, `max_tokens` <= 0 or beyond the
+engine's max_seq_len. (`max_tokens` also keeps this step from ever having no input at all, which Triton 2.51
+fails with "out of bounds index 0: request has 0 inputs" before the model can say what is missing.)
+"""
+from __future__ import annotations
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from v4engine.runtime.generator import load_tokenizer
+from v4engine.runtime.sampling import RequestError
+
+from . import io
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict) -> None:
+        params = io.parameters(args)
+        self.tokenizer = load_tokenizer(params["engine_dir"])
+        self.max_seq_len = int(params["max_seq_len"])
+
+    def execute(self, requests: list) -> list:
+        responses = []
+        for request in requests:
+            try:
+                prompt, stop = self.prepare(request)
+                responses.append(pb_utils.InferenceResponse([io.tensor("prompt_ids", prompt, np.int32),
+                                                             io.tensor("stop_words", stop, np.object_)]))
+            except RequestError as e:
+                responses.append(io.error(str(e)))
+        return responses
+
+    def prepare(self, request) -> tuple[list[int], list[bytes]]:
+        max_tokens = io.scalar(request, "max_tokens")
+        if max_tokens <= 0 or max_tokens > self.max_seq_len:
+            raise RequestError(f"max_tokens must be from 1 to the engine's max_seq_len {self.max_seq_len} "
+                               f"(got {max_tokens})")
+        text, ids = io.strings(request, "text_input"), io.array(request, "input_ids")
+        if (text == []) == (ids is None):
+            raise RequestError("give the prompt as text_input or as input_ids (exactly one of them)")
+        if text:
+            if len(text) != 1:
+                raise RequestError(f"text_input must hold one prompt (got {len(text)})")
+            prompt = self.tokenizer.encode(text[0], add_special_tokens=False).ids
+        else:
+            prompt = ids.tolist()
+        stop = [s.encode() for s in io.strings(request, "stop") if s]
+        return prompt, stop

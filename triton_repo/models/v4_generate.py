@@ -1,0 +1,190 @@
+"""v4_generate: speculative decoding with the engine's MTP draft, for every request in flight at once.
+
+Decoupled, with `async def execute`: Triton hands over each request as it arrives and does not wait for its
+coroutine, so requests overlap. All of them go to one v4engine.runtime scheduler per model instance, stepped by a
+background thread (runtime/serving.py): requests that arrive together share the engine's draft and verify calls.
+A streaming request gets one response per step that gave it tokens (1..k+1 of them), a non-streaming one a single
+response at the end; the last response carries finish_reason and the request's acceptance metrics as JSON, and
+the FINAL flag is always sent, whatever happens (a decoupled request without it hangs its client).
+
+Cancellation: `is_cancelled()` is asked before every step (a client that calls this model directly), and
+postprocessing relays the cancellation of an ensemble request (models/relay.py). Either way the request leaves
+the scheduler at the next step and its caches are freed.
+
+Prometheus metrics (Triton's metrics port), labelled with the model: time to first token and inter-token latency
+histograms, drafted / accepted draft tokens, verify steps and acceptances per draft position (per-position
+acceptance = v4_accepted_at_position_total / v4_verify_steps_total), generated tokens, engine steps, and the
+number of requests waiting and running.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from v4engine.runtime.generator import Generator
+from v4engine.runtime.sampling import RequestError, SamplingParams
+from v4engine.runtime.scheduler import Request
+from v4engine.runtime.serving import ServingLoop, Stream
+
+from . import io
+from .relay import CancelRelay
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+SETTINGS = ("temperature", "top_p", "top_k", "seed", "num_draft_tokens", "ignore_eos")   # SamplingParams' names
+
+
+class Metrics:
+    """The model's Prometheus series. Every MetricFamily stays referenced: Triton deletes a family whose Python
+    object is collected ("Invalid metric operation as the corresponding 'MetricFamily' has been deleted")."""
+
+    def __init__(self, labels: dict[str, str], positions: int):
+        self.families: list = []
+
+        def series(name: str, doc: str, kind, buckets: list[float] | None = None, **extra: str):
+            family = pb_utils.MetricFamily(name=name, description=doc, kind=kind)
+            self.families.append(family)
+            return family.Metric(labels={**labels, **extra}, **({"buckets": buckets} if buckets else {}))
+
+        F = pb_utils.MetricFamily
+        self.ttft = series("v4_time_to_first_token_seconds", "Seconds from a request's arrival at v4_generate to "
+                           "its first token", F.HISTOGRAM, [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10])
+        self.itl = series("v4_inter_token_latency_seconds", "Seconds between two steps that give a request tokens "
+                          "(one observation per step; a step gives 1..k+1 tokens with MTP)", F.HISTOGRAM,
+                          [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1])
+        self.drafted = series("v4_draft_tokens_total", "Tokens drafted by the MTP layer", F.COUNTER)
+        self.accepted = series("v4_accepted_draft_tokens_total", "Drafted tokens the target accepted", F.COUNTER)
+        self.verify_steps = series("v4_verify_steps_total", "Verify steps (each accepts 0..k drafts)", F.COUNTER)
+        self.accepted_at = [series("v4_accepted_at_position_total", "Verify steps that accepted the draft at "
+                                   "this position", F.COUNTER, position=str(i + 1)) for i in range(positions)]
+        self.generated = series("v4_generated_tokens_total", "Tokens generated", F.COUNTER)
+        self.engine_steps = series("v4_engine_steps_total", "Engine calls (draft and verify)", F.COUNTER)
+        self.waiting = series("v4_queue_size", "Requests accepted and waiting for a batch slot", F.GAUGE)
+        self.running = series("v4_running_requests", "Requests in the running batch", F.GAUGE)
+
+    def finished(self, request: Request) -> None:
+        m = request.metrics
+        self.drafted.increment(m.drafted)
+        self.accepted.increment(m.accepted)
+        self.verify_steps.increment(m.verify_steps)
+        for series, count in zip(self.accepted_at, m.accepted_at):
+            series.increment(count)
+        self.generated.increment(m.generated)
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict) -> None:
+        params = io.parameters(args)
+        providers = None
+        if args["model_instance_kind"] == "GPU":       # ONNX Runtime's CUDA provider on this instance's device
+            names = params["providers"].split(",")
+            providers = [(n, {"device_id": args["model_instance_device_id"]}) if n == "CUDAExecutionProvider"
+                         else n for n in names]
+        generator = Generator.from_engine_dir(params["engine_dir"], max_batch=int(params["max_batch"]),
+                                              max_seq_len=int(params["max_seq_len"]), providers=providers)
+        self.metrics = Metrics({"model": args["model_name"], "version": args["model_version"]},
+                               positions=generator.scheduler.mtp)
+        self.exported = (0, 0, 0)                      # engine steps, waiting, running: as last exported
+        self.serving = ServingLoop(generator, max_queue_size=int(params["max_queue_size"]), on_update=self.export)
+        self.streams: dict[str, Stream] = {}          # request key -> stream, for the relay
+        self.keys = itertools.count()
+        self.relay = CancelRelay(self.relayed)
+
+    def export(self) -> None:
+        """Whenever requests joined, left or stepped (on the scheduler's thread): engine steps and queue gauges,
+        each only when it changed (every update is a message to the Triton process)."""
+        scheduler = self.serving.scheduler
+        now = (scheduler.engine_steps, self.serving.queue_size, len(scheduler.active))
+        if now[0] != self.exported[0]:
+            self.metrics.engine_steps.increment(now[0] - self.exported[0])
+        if now[1] != self.exported[1]:
+            self.metrics.waiting.set(now[1])
+        if now[2] != self.exported[2]:
+            self.metrics.running.set(now[2])
+        self.exported = now
+
+    def relayed(self, key: str) -> None:
+        stream = self.streams.get(key)
+        if stream is not None:
+            self.serving.cancel(stream)
+
+    async def execute(self, requests: list) -> None:
+        await asyncio.gather(*(self.serve(request) for request in requests))
+
+    async def serve(self, request) -> None:
+        sender = request.get_response_sender()
+        final_sent, failure = False, None
+        try:
+            prompt, params, streaming, echo = self.read(request)
+            stream = self.serving.submit(prompt, params, is_cancelled=sender.is_cancelled)
+            key = str(next(self.keys))
+            self.streams[key] = stream
+            try:
+                final_sent = await self.respond(sender, stream, key, prompt if echo else [], streaming)
+            finally:
+                del self.streams[key]
+        except RequestError as e:
+            failure = io.error(str(e))
+        except Exception as e:                              # noqa: BLE001 - the client must hear of it
+            pb_utils.Logger.log_error(f"v4_generate: {type(e).__name__}: {e}")
+            failure = io.error(f"v4_generate failed: {type(e).__name__}: {e}")
+        finally:
+            if not final_sent:
+                sender.send(failure, flags=FINAL)          # failure None: the flag alone
+
+    def read(self, request) -> tuple[list[int], SamplingParams, bool, bool]:
+        """(prompt ids, sampling parameters, stream?, echo the prompt?) from the request's tensors."""
+        prompt = io.array(request, "prompt_ids").tolist()
+        settings = {name: io.scalar(request, name) for name in SETTINGS}
+        params = SamplingParams(max_new_tokens=int(io.scalar(request, "max_tokens")),
+                                stop=tuple(s for s in io.strings(request, "stop_words") if s),
+                                **{name: value for name, value in settings.items() if value is not None})
+        exclude = io.scalar(request, "exclude_input_in_output")
+        return prompt, params, bool(io.scalar(request, "stream")), exclude is False
+
+    async def respond(self, sender, stream: Stream, key: str, echo: list[int], streaming: bool) -> bool:
+        """Send the stream's responses; True once the FINAL flag went out with the last one."""
+        generated: list[int] = []
+        first = last = None
+        async for update in stream:
+            generated += update.tokens
+            if update.tokens:
+                if first is None:
+                    first = update.time
+                    self.metrics.ttft.observe(first - stream.arrival)
+                else:
+                    self.metrics.itl.observe(update.time - last)
+                last = update.time
+            if streaming and update.tokens and not update.finished:
+                sender.send(self.response(echo, generated, len(update.tokens), key, stream.request.params.stop))
+                echo = []
+        request = stream.request
+        self.metrics.finished(request)
+        if request.finish_reason == "cancelled":
+            return False
+        metrics = {**request.metrics.to_dict(),
+                   "time_to_first_token": None if first is None else first - stream.arrival}
+        new = len(update.tokens) if streaming else len(generated)
+        sender.send(self.response(echo, generated, new, key, request.params.stop, request.finish_reason,
+                                  json.dumps(metrics)), flags=FINAL)
+        return True
+
+    def response(self, echo: list[int], generated: list[int], new: int, key: str, stop: tuple[str, ...],
+                 finish_reason: str = "", metrics: str = "") -> "pb_utils.InferenceResponse":
+        return pb_utils.InferenceResponse([
+            io.tensor("output_ids", echo + generated[len(generated) - new:], np.int32),
+            io.tensor("echo_ids", echo, np.int32),
+            io.tensor("generated_ids", generated, np.int32),
+            io.tensor("new_tokens", [new], np.int32),
+            io.text("finish_reason", finish_reason),
+            io.text("metrics", metrics),
+            io.tensor("cancel_key", [self.relay.key(key)], np.object_),
+            io.tensor("stop_strings", [s.encode() for s in stop], np.object_),
+        ])
+
+    def finalize(self) -> None:
+        self.relay.close()
+        self.serving.close()

@@ -1,0 +1,181 @@
+"""Start the Triton Inference Server that the nvidia-pytriton wheel bundles, on a model repository.
+
+The wheel `nvidia-pytriton==0.7.0` carries a complete tritonserver 2.51 with only the Python backend, which is
+what our repository needs on a CPU (../shared/notes/TRITON_CPU.md). It lives in a serving environment of its
+own (`.venv-triton`, made by `make triton-env`) because the 2.51 Python-backend stub needs numpy < 2. Serving
+from it takes four things, all done here so that the tests and the example start the server the same way:
+- a backend folder holding the wheel's Python backend plus the stub built for that environment's Python
+  (links, not copies; PyTriton does the same);
+- LD_LIBRARY_PATH with the wheel's bundled libraries and the environment's libpython folder, and PATH with the
+  environment's bin folder first: the stub's embedded interpreter finds its environment through PATH;
+- HTTP, gRPC and metrics on free loopback ports chosen here (Triton refuses port 0);
+- `--exit-timeout-secs`, so that a stop does not wait 30 s for a request still open.
+
+    with TritonServer("out/triton-repo", env=".venv-triton") as server:
+        print(server.http_url, server.grpc_url, server.metrics_url)
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from v4engine.runtime.errors import V4EngineError
+
+HOST = "127.0.0.1"
+
+
+class ServerError(V4EngineError):
+    """The serving environment is incomplete, or the server did not become ready (the message ends with its log)."""
+
+
+@dataclass(frozen=True)
+class ServingEnv:
+    """Where the serving environment keeps what the server needs, as its own Python reports it."""
+
+    python: Path
+    server_dir: Path            # pytriton/tritonserver: bin/, backends/python/, caches/, python_backend_stubs/
+    libs: Path                  # nvidia_pytriton.libs: libtritonserver and the libraries it links
+    libpython_dir: str
+    python_version: str         # "3.11": picks the matching stub
+
+    @classmethod
+    def find(cls, env: str | Path) -> "ServingEnv":
+        python = Path(env) / "bin" / "python"
+        if not python.is_file():
+            raise ServerError(f"{env}: no bin/python; make the serving environment with `make triton-env`")
+        probe = ("import json, os, sys, sysconfig, pytriton; d = os.path.dirname(pytriton.__file__); "
+                 "print(json.dumps([d, sysconfig.get_config_var('LIBDIR'), '%d.%d' % sys.version_info[:2]]))")
+        found = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, timeout=60)
+        if found.returncode != 0:
+            raise ServerError(f"{env}: cannot import pytriton (pip install nvidia-pytriton==0.7.0 there): "
+                              f"{found.stderr.strip().splitlines()[-1] if found.stderr.strip() else ''}")
+        package, libdir, version = json.loads(found.stdout)
+        return cls(python, Path(package) / "tritonserver", Path(package).parent / "nvidia_pytriton.libs",
+                   libdir, version)
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports the kernel hands out now on the loopback address (all held at once, so they differ)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind((HOST, 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+class TritonServer:
+    """A tritonserver process on `repository`, ready when `start()` (or `with`) returns; stopped by `stop()`.
+
+    The log goes to `work_dir/server.log`; a server that exits or is not ready within `startup_timeout`
+    seconds raises ServerError ending with the log's last lines."""
+
+    def __init__(self, repository: str | Path, env: str | Path, *, work_dir: str | Path | None = None,
+                 startup_timeout: float = 120.0, exit_timeout: int = 5, log_verbose: int = 0):
+        self.repository = Path(repository).resolve()
+        self.env = ServingEnv.find(env)
+        self.work_dir = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="tritonserver-"))
+        self.startup_timeout, self.exit_timeout, self.log_verbose = startup_timeout, exit_timeout, log_verbose
+        self.log_path = self.work_dir / "server.log"
+        self.process: subprocess.Popen | None = None
+        self.http_port = self.grpc_port = self.metrics_port = 0
+
+    @property
+    def http_url(self) -> str:
+        return f"{HOST}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{HOST}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{HOST}:{self.metrics_port}/metrics"
+
+    def _backends(self) -> Path:
+        """backends/python/: the wheel's backend files and the stub for the environment's Python, as links."""
+        python = self.work_dir / "backends" / "python"
+        python.mkdir(parents=True, exist_ok=True)
+        source = self.env.server_dir / "backends" / "python"
+        stub = self.env.server_dir / "python_backend_stubs" / self.env.python_version / "triton_python_backend_stub"
+        if not stub.is_file():
+            raise ServerError(f"{stub}: no Python-backend stub for Python {self.env.python_version} in the wheel")
+        for target in [*source.iterdir(), stub]:
+            link = python / target.name
+            if not link.exists():
+                link.symlink_to(target)
+        return python.parent
+
+    def _environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(
+            p for p in (str(self.env.libs), self.env.libpython_dir, env.get("LD_LIBRARY_PATH")) if p)
+        env["PATH"] = os.pathsep.join(p for p in (str(self.env.python.parent), env.get("PATH")) if p)
+        return env
+
+    def command(self) -> list[str]:
+        return [str(self.env.server_dir / "bin" / "tritonserver"), f"--model-repository={self.repository}",
+                f"--backend-directory={self._backends()}", f"--cache-directory={self.env.server_dir / 'caches'}",
+                f"--http-address={HOST}", f"--http-port={self.http_port}",
+                f"--grpc-address={HOST}", f"--grpc-port={self.grpc_port}",
+                f"--metrics-address={HOST}", f"--metrics-port={self.metrics_port}", "--allow-gpu-metrics=false",
+                f"--exit-timeout-secs={self.exit_timeout}", f"--log-verbose={self.log_verbose}"]
+
+    def start(self) -> "TritonServer":
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.http_port, self.grpc_port, self.metrics_port = free_ports(3)
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
+                                            env=self._environment(), start_new_session=True)
+        self._wait_ready()
+        return self
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ServerError(f"tritonserver exited with code {self.process.returncode} while starting:\n"
+                                  f"{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as answer:
+                    if answer.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise ServerError(f"tritonserver was not ready after {self.startup_timeout:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL to the whole process group if it outlives the exit timeout by 10 s."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(self.exit_timeout + 10)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+    def __enter__(self) -> "TritonServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

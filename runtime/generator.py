@@ -64,6 +64,8 @@ class Generator:
         if not 0 <= mtp <= manifest.mtp:
             raise RequestError(f"mtp must be between 0 and the engine's {manifest.mtp} (got {mtp})")
         options = {k: v for k, v in (("threads", threads), ("providers", providers)) if v}
+        if mtp and manifest.backend == "onnxruntime":
+            options["alternating"] = True                  # target and draft calls take turns on the same cores
         target = open_session(path, manifest, "target", **options)
         draft = open_session(path, manifest, "draft", **options) if mtp else None
         scheduler = Scheduler(manifest, target, draft, mtp, max_batch=max_batch,

@@ -20,11 +20,12 @@ import torch
 from tqdm import tqdm
 
 from v4engine.plugins import DOMAIN, OPSET, onnx_functions
+from v4engine.runtime.config import V4Config
 from v4engine.runtime.engine import EngineManifest, GraphEntry, cache_group_dict
 from v4engine.runtime.errors import V4EngineError
 from v4engine.runtime.staging import staged_folder
 
-from .backends import compile_engine
+from .backends import QUANTIZED_IN_PLACE, compile_engine, preflight
 from .export import export_graph, graph_specs
 from .load import open_checkpoint
 from .weights import WeightWriter, attach_weights, serialize_without_data
@@ -47,8 +48,12 @@ class BuildOptions:
     dtype: str = "fp32"
     max_batch: int = 8
     max_seq_len: int = 4096
+    max_prefill_chunk: int = 512
     force: bool = False
     progress: bool = True
+    onnx_only: bool = False                    # tensorrt: prepare the graphs, build no engines
+    builder_optimization_level: int = 3        # tensorrt
+    timing_cache: Path | None = None           # tensorrt: reused across builds (default: one in the engine)
 
 
 def _check_output(options: BuildOptions) -> None:
@@ -69,6 +74,10 @@ def _check_output(options: BuildOptions) -> None:
         raise BuildError(f"{parent}: cannot write the engine here ({e.strerror})") from None
     if options.mtp < 0:
         raise BuildError(f"--mtp must be >= 0 (got {options.mtp})")
+    if options.max_prefill_chunk < 1:
+        raise BuildError(f"--max-prefill-chunk must be >= 1 (got {options.max_prefill_chunk})")
+    if options.onnx_only and options.backend != "tensorrt":
+        raise BuildError(f"--onnx-only applies to --backend tensorrt (got --backend {options.backend})")
 
 
 def _versions() -> dict[str, str]:
@@ -81,18 +90,41 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def _write_graph(tmp: Path, name: str, options: BuildOptions, cfg, ckpt, writer: WeightWriter) -> dict[str, int]:
+class StageClock:
+    """Wall seconds per build stage, summed over graphs (recorded in engine.json as build.stages)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.seconds[stage] = round(self.seconds.get(stage, 0.0) + now - self._last, 2)
+        self._last = now
+
+
+def _write_graph(tmp: Path, name: str, options: BuildOptions, cfg, ckpt, writer: WeightWriter, clock: StageClock
+                 ) -> dict[str, int]:
     draft = name == "draft"
     model = export_graph(cfg, draft=draft, dtype=DTYPES[options.dtype], max_batch=options.max_batch,
                          max_seq_len=options.max_seq_len)
     proto = serialize_without_data(model)
-    counts = attach_weights(proto, ckpt, cfg, writer)
-    proto.functions.extend(onnx_functions())
+    clock.lap("export")
+    counts = attach_weights(proto, ckpt, cfg, writer, quantized_in_place=QUANTIZED_IN_PLACE[options.backend])
+    add_functions(proto, cfg)
+    clock.lap("weights")
+    check_graph(proto, {w.file: w.bytes for w in writer.files()})
+    clock.lap("check")
+    onnx.save(proto, tmp / f"{name}.onnx")
+    clock.lap("save")
+    return counts
+
+
+def add_functions(proto: onnx.ModelProto, cfg: V4Config) -> None:
+    """The v4 ops' functions (for this model's Sinkhorn rounds) and the opsets the graph imports."""
+    proto.functions.extend(onnx_functions(sinkhorn_rounds=cfg.hc_sinkhorn_iters - 1))
     del proto.opset_import[:]
     proto.opset_import.extend([onnx.helper.make_opsetid("", OPSET), onnx.helper.make_opsetid(DOMAIN, 1)])
-    check_graph(proto, {w.file: w.bytes for w in writer.files()})
-    onnx.save(proto, tmp / f"{name}.onnx")
-    return counts
 
 
 def check_graph(proto: onnx.ModelProto, weight_files: dict[str, int]) -> None:
@@ -112,18 +144,32 @@ def check_graph(proto: onnx.ModelProto, weight_files: dict[str, int]) -> None:
     onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True, data_prop=True)
 
 
+def _experts(expert_dtype: str | None, backend: str) -> str:
+    """What engine.json says of the routed experts' weights."""
+    fmt = {"fp4": "mxfp4", "mxfp4": "mxfp4", "fp8": "fp8_block"}.get(expert_dtype or "")
+    if fmt is None:
+        return "as stored, in place"
+    name = "MXFP4" if fmt == "mxfp4" else "FP8"
+    if fmt in QUANTIZED_IN_PLACE[backend]:
+        return f"{name} routed experts kept {name} in place: blocked DequantizeLinear, scales in place or as float rows"
+    return f"{name} routed experts dequantized to the activation dtype into weights/converted.bin"
+
+
 def build(options: BuildOptions) -> EngineManifest:
     """Build the engine directory options.output; returns its manifest."""
     started = time.perf_counter()
+    clock = StageClock()
     _check_output(options)
+    preflight(options.backend, options.onnx_only)
     cfg, ckpt = open_checkpoint(options.checkpoint, mtp=options.mtp > 0)
+    clock.lap("checkpoint")
     with staged_folder(options.output, "building") as tmp:
         writer = WeightWriter(tmp)
         try:
             parts = ["target"] + (["draft"] if options.mtp > 0 else [])
             treatment: dict[str, int] = {}
             for name in tqdm(parts, desc="export", unit="graph", disable=not options.progress):
-                for k, v in _write_graph(tmp, name, options, cfg, ckpt, writer).items():
+                for k, v in _write_graph(tmp, name, options, cfg, ckpt, writer, clock).items():
                     treatment[k] = treatment.get(k, 0) + v
             weights = writer.close()
             tokenizer = [f for f in TOKENIZER_FILES if (options.checkpoint / f).is_file()]
@@ -137,20 +183,20 @@ def build(options: BuildOptions) -> EngineManifest:
                 groups = cfg.cache_groups(name == "draft", options.mtp, value_bytes)
                 caches[name] = [cache_group_dict(g, "mtp" if name == "draft" else cfg.layer_types[g.layer])
                                 for g in groups]
-            experts = {"mxfp4": "MXFP4 routed experts dequantized to the activation dtype into weights/converted.bin "
-                                "(ONNX Runtime has no FP4 DequantizeLinear)",
-                       "fp8": "FP8 routed experts kept FP8 in place, blocked DequantizeLinear"}.get(
-                cfg.expert_dtype or "", "as stored, in place")
+            experts = _experts(cfg.expert_dtype, options.backend)
             manifest = EngineManifest(
                 model=cfg, backend=options.backend, mtp=options.mtp, dtype=options.dtype, graphs=graphs,
                 caches=caches, weights=weights, experts=experts, tokenizer=tokenizer,
                 checkpoint={"path": str(options.checkpoint.resolve()), "fingerprint": ckpt.fingerprint(),
                             "tensors": len(ckpt.names()), "scheme": ckpt.scheme},
                 tools=_versions(),
-                build={"max_batch": options.max_batch, "max_seq_len": options.max_seq_len, "opset": OPSET,
-                       "weights": treatment})
+                build={"max_batch": options.max_batch, "max_seq_len": options.max_seq_len,
+                       "max_prefill_chunk": options.max_prefill_chunk, "opset": OPSET, "weights": treatment})
             manifest.write(tmp)
-            manifest.build["compile"] = compile_engine(tmp, manifest)
+            clock.lap("manifest")
+            manifest.build["compile"] = compile_engine(tmp, manifest, options)
+            clock.lap("compile")
+            manifest.build["stages"] = clock.seconds
             manifest.build["seconds"] = round(time.perf_counter() - started, 2)
             manifest.write(tmp)
         finally:

@@ -2,6 +2,7 @@
 
     v4build --checkpoint DIR --output OUT [--mtp K] [--backend onnxruntime] [--dtype fp32] ...
     v4build make-tiny OUT [--config NAME] [--quantize fp8|mxfp4] [--names official|hf] ...
+    v4build make-release OUT [--release v4-flash|v4-pro] [--shards N]
     v4build check --checkpoint DIR [--mtp K]
     v4build triton-repo ENGINE_DIR OUT [--gpu] [--max-batch N] [--max-queue-size N] [--instance-count N] [--force]
 
@@ -22,6 +23,13 @@ def _make_tiny(args: argparse.Namespace) -> None:
     out = make_tiny(args.out, config=args.config, seed=args.seed, quantize=args.quantize, names=args.names,
                     dtype=args.dtype, shards=args.shards, mtp=not args.no_mtp, agree=args.agree)
     print(f"wrote tiny checkpoint '{args.config}' to {out}")
+
+
+def _make_release(args: argparse.Namespace) -> None:
+    from .release import RELEASES, write_release_checkpoint
+
+    out = write_release_checkpoint(args.out, release=args.release, shards=args.shards)
+    print(f"wrote {RELEASES[args.release][2]} to {out}: sparse files, no tensor data")
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -45,7 +53,9 @@ def _build(args: argparse.Namespace) -> None:
 
     manifest = build(BuildOptions(checkpoint=args.checkpoint, output=args.output, mtp=args.mtp, backend=args.backend,
                                   dtype=args.dtype, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
-                                  force=args.force, progress=not args.quiet))
+                                  max_prefill_chunk=args.max_prefill_chunk, force=args.force, progress=not args.quiet,
+                                  onnx_only=args.onnx_only, builder_optimization_level=args.builder_optimization_level,
+                                  timing_cache=args.timing_cache))
     print(summary(args.output, manifest))
 
 
@@ -71,6 +81,7 @@ def summary(out: Path, manifest) -> str:
     for w in manifest.weights:
         lines.append(f"  {w.file}: {mb(w.bytes)} ({w.link}{' to ' + w.source if w.source else ''})")
     lines.append(f"  weights: {manifest.build['weights']}")
+    lines.append("  stages: " + ", ".join(f"{k} {v:.1f} s" for k, v in manifest.build.get("stages", {}).items()))
     for part, groups in manifest.caches.items():
         per_token = sum(g["bytes_per_token"] for g in groups)
         fixed = sum(g["fixed_bytes"] for g in groups)
@@ -82,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="v4build", description="Compile a DeepSeek-V4 checkpoint (with its mtp.0.* draft layer) into an engine "
         "directory: target and draft graphs, engine.json, tokenizer. Weights are referenced in place, never copied.",
-        epilog="Other commands: 'v4build make-tiny --help' (a tiny random checkpoint), "
+        epilog="Other commands: 'v4build make-tiny --help' (a tiny random checkpoint), 'v4build make-release --help' "
+        "(a full-size checkpoint without data), "
         "'v4build check --help' (check a checkpoint against its config.json), "
         "'v4build triton-repo --help' (a Triton Inference Server model repository serving an engine).")
     p.add_argument("--checkpoint", type=Path, required=True,
@@ -92,13 +104,26 @@ def build_parser() -> argparse.ArgumentParser:
                    "temporary folder and renamed at the end)")
     p.add_argument("--mtp", type=int, default=1, help="draft tokens per step with the MTP layer (0: no draft graph; "
                    "> 0 needs the mtp.0.* weights); sizes the caches (default 1)")
-    p.add_argument("--backend", choices=["onnxruntime"], default="onnxruntime",
-                   help="engine backend (default onnxruntime, which runs on the CPU)")
+    p.add_argument("--backend", choices=["onnxruntime", "tensorrt", "migraphx"], default="onnxruntime",
+                   help="engine backend: onnxruntime (default; runs on the CPU, or on CUDA with onnxruntime-gpu), "
+                   "tensorrt (NVIDIA GPUs: TensorRT 10.15+/11.x engines with the v4 plugins; needs TensorRT unless "
+                   "--onnx-only) or migraphx (AMD GPUs under ROCm: a variant MIGraphX's parser reads, compiled where "
+                   "the migraphx module imports, else with the compile_migraphx.sh written beside it)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
                    help="activation dtype of the graphs: fp32 (default; what the CPU runs exactly), fp16, or bf16 "
                    "(GPU: the CPU execution provider has no bf16 kernels); hc mixes, sinks and softmaxes stay fp32")
     p.add_argument("--max-batch", type=int, default=8, help="largest batch the graphs accept (default 8)")
     p.add_argument("--max-seq-len", type=int, default=4096, help="longest sequence the engine serves (default 4096)")
+    p.add_argument("--max-prefill-chunk", type=int, default=512, help="most prompt tokens per engine call; the "
+                   "runtime prefills in chunks of this size, and TensorRT's prefill profile ends there (default 512)")
+    p.add_argument("--onnx-only", action="store_true", help="tensorrt: prepare the graphs for TensorRT (plugin "
+                   "nodes, profiles, engine.json) and stop before building engines; needs no TensorRT")
+    p.add_argument("--builder-optimization-level", type=int, choices=range(6), default=3, metavar="0-5",
+                   help="tensorrt: TensorRT's builder optimization level (0 fastest build .. 5 most tactics; "
+                   "default 3)")
+    p.add_argument("--timing-cache", type=Path, default=None, help="tensorrt: timing cache file, read if it exists "
+                   "and written after the build, so that rebuilds skip tactic timing (default: timing.cache in "
+                   "the engine directory)")
     p.add_argument("--force", action="store_true", help="replace OUTPUT if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(run=_build)
@@ -130,6 +155,17 @@ def tools_parser() -> argparse.ArgumentParser:
                    "ALPHA, e.g. 0.1; the MTP reads only the next token), so that drafts are often accepted")
     t.set_defaults(run=_make_tiny)
 
+    m = sub.add_parser("make-release", help="write a release-shaped checkpoint without data (sparse files)",
+                       description="Write a checkpoint with a release's exact config, tensor names, dtypes and shapes "
+                       "(FP8 block weights, MXFP4 experts, mtp.0.*), as sharded safetensors whose data are holes: "
+                       "valid headers, no disk used, zeros when read. For building and measuring at full size.")
+    m.add_argument("out", type=Path, help="output folder (replaced if it exists)")
+    m.add_argument("--release", choices=["v4-flash", "v4-pro"], default="v4-flash",
+                   help="v4-flash (as released) or v4-pro (sizes from a mirror of its config, compress_ratios "
+                   "assumed; default v4-flash)")
+    m.add_argument("--shards", type=int, default=None, help="number of safetensors files (default: as released)")
+    m.set_defaults(run=_make_release)
+
     c = sub.add_parser("check", help="read a checkpoint and check every tensor against config.json",
                        description="Read config.json and every safetensors header, and check each tensor's shape "
                        "and dtype against the config without loading the weights.")
@@ -160,7 +196,7 @@ def tools_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    tools = bool(argv) and argv[0] in ("make-tiny", "check", "triton-repo")
+    tools = bool(argv) and argv[0] in ("make-tiny", "make-release", "check", "triton-repo")
     args = (tools_parser() if tools else build_parser()).parse_args(argv)
     try:
         args.run(args)

@@ -117,7 +117,7 @@ def export_graph(cfg: V4Config, draft: bool, dtype: torch.dtype = torch.float32,
     """The target or draft graph as an onnx_ir Model whose checkpoint initializers have no data yet."""
     dtype_name = str(dtype).removeprefix("torch.")
     with torch.device("meta"):                               # no weight memory, whatever the model size
-        model = Transformer(cfg, mtp=draft).to_dtype(dtype).eval()
+        model = Transformer(cfg, mtp=draft).stack_experts().to_dtype(dtype).eval()
     inputs, outputs = graph_specs(cfg, draft, dtype_name)
     max_rows = max_seq_len // min(cfg.compress_rates.values()) + 1
     dims = {"batch": Dim("batch", min=1, max=max_batch), "seq": Dim("seq", min=1, max=max_seq_len),

@@ -128,17 +128,30 @@ def hf_config(raw: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def stored_form(name: str, is_integer: bool, quantize: str | None) -> str:
+    """How the release stores a parameter: 'as_is' (integers, fp32 mixes), 'mxfp4', 'fp8' or 'dtype' (the
+    checkpoint's float dtype). quantize: None (no quantization), 'fp8', or 'mxfp4' (the V4-Flash release)."""
+    if is_integer or FP32_PARAMETERS.search(name):
+        return "as_is"
+    if quantize == "mxfp4" and ROUTED_EXPERT.search(name):
+        return "mxfp4"
+    if quantize and (FP8_WEIGHTS.search(name) or ROUTED_EXPERT.search(name)):
+        return "fp8"
+    return "dtype"
+
+
 def _tensors(model: Transformer, dtype: torch.dtype, quantize: str | None, scale_suffix: str
              ) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for name, value in model.state_dict().items():
         value = value.detach().contiguous()
-        if value.dtype == torch.int64 or FP32_PARAMETERS.search(name):
+        form = stored_form(name, value.dtype == torch.int64, quantize)
+        if form == "as_is":
             out[name] = value
-        elif quantize == "mxfp4" and ROUTED_EXPERT.search(name):
+        elif form == "mxfp4":
             packed, scale = quantize_mxfp4(value)
             out[name], out[name[: -len("weight")] + "scale"] = packed, scale
-        elif quantize and (FP8_WEIGHTS.search(name) or ROUTED_EXPERT.search(name)):
+        elif form == "fp8":
             q, scale = quantize_fp8_block(value)
             out[name] = q
             prefix = name[: -len("weight")]
@@ -183,7 +196,7 @@ def save_checkpoint(model: Transformer, raw: dict[str, Any], out: str | Path, qu
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with staged_folder(out, "writing") as tmp:
-        groups = _shard_groups(list(tensors), shards)
+        groups = shard_groups(list(tensors), shards)
         weight_map, total = {}, 0
         for i, group in enumerate(groups):
             fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
@@ -199,7 +212,7 @@ def save_checkpoint(model: Transformer, raw: dict[str, Any], out: str | Path, qu
     return out
 
 
-def _shard_groups(names: list[str], shards: int) -> list[list[str]]:
+def shard_groups(names: list[str], shards: int) -> list[list[str]]:
     """Target tensors spread over shards-1 files (all of them if shards == 1); mtp.0.* in the last, as released."""
     target = [n for n in names if not n.startswith("mtp.")]
     draft = [n for n in names if n.startswith("mtp.")]
@@ -214,4 +227,5 @@ def _shard_groups(names: list[str], shards: int) -> list[list[str]]:
     return [g for g in groups if g]
 
 
-__all__ = ["TINY_CONFIGS", "make_tiny", "save_checkpoint", "random_model", "official_to_hf_name", "hf_config"]
+__all__ = ["TINY_CONFIGS", "make_tiny", "save_checkpoint", "random_model", "official_to_hf_name", "hf_config",
+           "stored_form", "shard_groups"]

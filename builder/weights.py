@@ -1,13 +1,17 @@
 """Attach weights to an exported graph without copying the checkpoint.
 
-Every initializer of the exported graph is a checkpoint tensor (by its official name), or a rope table.
+Every initializer of the exported graph is a checkpoint tensor (by its official name), a rope table, or a
+StackedExperts weight [E, out, in], which is the experts' own tensors as [1, out, in] joined by one Concat.
 - Where the checkpoint's bytes already are what the graph needs, the initializer is ONNX external data
   pointing into the checkpoint's own safetensors file (location, offset, length). Stored in another float
   type (bf16 weights, fp32 activations), it is referenced as stored and a Cast follows in the graph.
-- FP8 e4m3 block weights stay FP8 and in place: a blocked DequantizeLinear (axis 1, block 128) follows;
+- FP8 e4m3 block weights stay FP8 and in place: a blocked DequantizeLinear (last axis, block 128) follows;
   its float32 scales (the 128x128 e8m0 grid, expanded along the output axis as ONNX blocked
   quantization wants) go to the converted-weights file.
-- MXFP4 experts: ONNX Runtime has no FP4 DequantizeLinear, so they are dequantized into the converted file.
+- MXFP4 experts: for ONNX Runtime, which has no FP4 DequantizeLinear, dequantized into the converted file;
+  for TensorRT FLOAT4E2M1 in place, their E8M0 scales in place too, 2^(e-127) computed in the graph, and a
+  blocked DequantizeLinear (block 32). Each backend says which quantized formats it keeps (`quantized_in_place`);
+  the others are dequantized into the converted file.
 The engine folder reaches the checkpoint's files through `weights/`: hard links where the filesystem
 allows (true zero copy, any consumer reads them), symlinks otherwise (the runtime hands those to ONNX
 Runtime from memory maps, since ONNX Runtime refuses external data outside the model folder).
@@ -16,6 +20,7 @@ The converted file is written tensor by tensor, so peak memory does not grow wit
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +45,7 @@ _BITS = {2: torch.int16, 4: torch.int32}          # reinterpret floats as bits n
 CONVERTED = "weights/converted.bin"
 ALIGN = 64
 FP8_BLOCK = 128
+MXFP4_BLOCK = 32
 
 
 def _external(name: str, onnx_type: int, shape: tuple[int, ...], location: str, offset: int, length: int
@@ -114,56 +120,123 @@ def serialize_without_data(model: ir.Model) -> onnx.ModelProto:
 
 
 def fp8_scale_rows(ckpt: Checkpoint, info: TensorInfo) -> np.ndarray:
-    """The 128x128 block scale as float32 [out, ceil(in/128)]: one row per output row (blocked DQ on axis 1)."""
+    """The 128x128 block scale as float32 [out, ceil(in/128)]: one row per output row (blocked DQ on the last axis)."""
     grid = ckpt.scale(info.name).numpy()
     return np.repeat(grid, FP8_BLOCK, axis=0)[: info.shape[0]]
 
 
-def attach_weights(proto: onnx.ModelProto, ckpt: Checkpoint, cfg: V4Config, writer: WeightWriter,
-                   prefix: str = "model.") -> dict[str, int]:
-    """Give every initializer its bytes (see module doc). Returns counts per treatment."""
-    graph = proto.graph
-    kept: list[TensorProto] = []
-    nodes: list[onnx.NodeProto] = []
-    counts = {"in place": 0, "in place + cast": 0, "fp8 in place + dequantize": 0, "converted": 0, "inline": 0}
-    for tensor in graph.initializer:
-        table = rope_table(cfg, tensor.name.removeprefix(prefix))
-        if table is not None:
-            kept.append(numpy_helper.from_array(table.numpy(), tensor.name))
-            counts["inline"] += 1
-            continue
-        name = tensor.name.removeprefix(prefix)
-        info = ckpt.info(name)
-        shape = tuple(tensor.dims)
+def stacked_expert_names(name: str, experts: int) -> list[str] | None:
+    """The checkpoint tensors behind a StackedExperts weight (`layers.3.ffn.routed.w1` -> every
+    `layers.3.ffn.experts.{e}.w1.weight`), or None for any other name."""
+    match = _STACKED.fullmatch(name)
+    if match is None:
+        return None
+    return [f"{match['ffn']}.experts.{e}.{match['w']}.weight" for e in range(experts)]
+
+
+_STACKED = re.compile(r"(?P<ffn>.+\.ffn)\.routed\.(?P<w>w[123])")
+TREATMENTS = ("in place", "in place + cast", "fp8 in place + dequantize", "fp4 in place + dequantize", "converted",
+              "inline")
+
+
+class _Attacher:
+    """Builds, for one graph, the initializers and nodes that give each weight its bytes, counting treatments."""
+
+    def __init__(self, ckpt: Checkpoint, writer: WeightWriter, quantized_in_place: frozenset[str]):
+        self.ckpt, self.writer, self.in_place = ckpt, writer, quantized_in_place
+        self.initializers: list[TensorProto] = []
+        self.nodes: list[onnx.NodeProto] = []
+        self.counts = dict.fromkeys(TREATMENTS, 0)
+        self._e8m0_constants = False
+
+    def tensor(self, out: str, info: TensorInfo, shape: tuple[int, ...], data_type: int) -> None:
+        """`out` (of `shape` and `data_type`) from the checkpoint tensor `info` (same values, maybe a leading 1)."""
+        if info.format != "plain" and info.format not in self.in_place:    # dequantized by the builder
+            values = self.ckpt.load(info.name, dtype=_TORCH_OF_ONNX[data_type]).reshape(shape)
+            self.initializers.append(_external(out, data_type, shape,
+                                               *self.writer.convert(values.view(_BITS[values.element_size()]).numpy())))
+            self.counts["converted"] += 1
+            return
+        location = self.writer.link(info.file)
         if info.format == "plain":
             stored = _ONNX_TYPE[info.dtype]
-            name_as_stored = tensor.name if stored == tensor.data_type else f"{tensor.name}.stored"
-            kept.append(_external(name_as_stored, stored, shape, writer.link(info.file), info.offset, info.nbytes))
-            if name_as_stored == tensor.name:
-                counts["in place"] += 1
-            else:
-                nodes.append(helper.make_node("Cast", [name_as_stored], [tensor.name], to=tensor.data_type))
-                counts["in place + cast"] += 1
+            name_as_stored = out if stored == data_type else f"{out}.stored"
+            self.initializers.append(_external(name_as_stored, stored, shape, location, info.offset, info.nbytes))
+            self._cast(name_as_stored, out, data_type, "in place")
         elif info.format == "fp8_block":
-            q = _external(f"{tensor.name}.fp8", _ONNX_TYPE[info.dtype], shape, writer.link(info.file), info.offset,
-                          info.nbytes)
-            scale = _external(f"{tensor.name}.scale", TensorProto.FLOAT, (shape[0], -(-shape[1] // FP8_BLOCK)),
-                              *writer.convert(fp8_scale_rows(ckpt, info)))
-            dq_out = tensor.name if tensor.data_type == TensorProto.FLOAT else f"{tensor.name}.dq"
-            nodes.append(helper.make_node("DequantizeLinear", [q.name, scale.name], [dq_out], axis=1,
-                                          block_size=FP8_BLOCK))
-            if dq_out != tensor.name:
-                nodes.append(helper.make_node("Cast", [dq_out], [tensor.name], to=tensor.data_type))
-            kept += [q, scale]
-            counts["fp8 in place + dequantize"] += 1
-        else:  # mxfp4: no FP4 DequantizeLinear on the CPU; dequantize into the converted file
-            values = ckpt.load(name, dtype=_TORCH_OF_ONNX[tensor.data_type])
-            kept.append(_external(tensor.name, tensor.data_type, shape,
-                                  *writer.convert(values.view(_BITS[values.element_size()]).numpy())))
-            counts["converted"] += 1
+            rows = fp8_scale_rows(self.ckpt, info)
+            scale = _external(f"{out}.scale", TensorProto.FLOAT, shape[:-1] + rows.shape[-1:],
+                              *self.writer.convert(rows))
+            q = _external(f"{out}.fp8", _ONNX_TYPE[info.dtype], shape, location, info.offset, info.nbytes)
+            self.initializers += [q, scale]
+            self._dequantize(q.name, scale.name, out, len(shape) - 1, FP8_BLOCK, data_type, "fp8 in place + dequantize")
+        else:   # mxfp4: e2m1 codes as FLOAT4E2M1 (low nibble first, as ONNX packs them)
+            q = _external(f"{out}.fp4", TensorProto.FLOAT4E2M1, shape, location, info.offset, info.nbytes)
+            scale = self._e8m0_scale(f"{out}.scale", info.scale, shape[:-1] + (shape[-1] // MXFP4_BLOCK,))
+            self.initializers.append(q)
+            self._dequantize(q.name, scale, out, len(shape) - 1, MXFP4_BLOCK, data_type, "fp4 in place + dequantize")
+
+    def stacked(self, out: str, infos: list[TensorInfo], shape: tuple[int, ...], data_type: int) -> None:
+        """A StackedExperts weight [E, ...]: each expert's tensor as [1, ...], then one Concat."""
+        parts = [f"{out}.{e}" for e in range(len(infos))]
+        for part, info in zip(parts, infos):
+            self.tensor(part, info, (1,) + shape[1:], data_type)
+        self.nodes.append(helper.make_node("Concat", parts, [out], axis=0))
+
+    def inline(self, tensor: TensorProto) -> None:
+        self.initializers.append(tensor)
+        self.counts["inline"] += 1
+
+    def _cast(self, source: str, out: str, data_type: int, treatment: str) -> None:
+        if source != out:
+            self.nodes.append(helper.make_node("Cast", [source], [out], to=data_type))
+            treatment = "in place + cast" if treatment == "in place" else treatment
+        self.counts[treatment] += 1
+
+    def _dequantize(self, q: str, scale: str, out: str, axis: int, block: int, data_type: int, treatment: str
+                    ) -> None:
+        dq_out = out if data_type == TensorProto.FLOAT else f"{out}.dq"
+        self.nodes.append(helper.make_node("DequantizeLinear", [q, scale], [dq_out], axis=axis, block_size=block))
+        self._cast(dq_out, out, data_type, treatment)
+
+    def _e8m0_scale(self, out: str, info: TensorInfo, shape: tuple[int, ...]) -> str:
+        """2^(e-127) computed in the graph from the stored E8M0 bytes (in place): opset 23 has no E8M0 scales."""
+        if not self._e8m0_constants:
+            self.initializers += [numpy_helper.from_array(np.array(2.0, np.float32), "v4.two"),
+                                  numpy_helper.from_array(np.array(127.0, np.float32), "v4.e8m0_bias")]
+            self._e8m0_constants = True
+        self.initializers.append(_external(f"{out}.e8m0", TensorProto.UINT8, shape, self.writer.link(info.file),
+                                           info.offset, info.nbytes))
+        self.nodes += [helper.make_node("Cast", [f"{out}.e8m0"], [f"{out}.exp"], to=TensorProto.FLOAT),
+                       helper.make_node("Sub", [f"{out}.exp", "v4.e8m0_bias"], [f"{out}.unbiased"]),
+                       helper.make_node("Pow", ["v4.two", f"{out}.unbiased"], [out])]
+        return out
+
+
+def attach_weights(proto: onnx.ModelProto, ckpt: Checkpoint, cfg: V4Config, writer: WeightWriter,
+                   prefix: str = "model.", quantized_in_place: frozenset[str] = frozenset({"fp8_block"})
+                   ) -> dict[str, int]:
+    """Give every initializer its bytes (see module doc). Returns counts per treatment.
+
+    quantized_in_place: the quantized formats ("fp8_block", "mxfp4") the backend keeps quantized in place behind a
+    blocked DequantizeLinear; weights of the other formats are dequantized into the converted file (ONNX Runtime
+    has no FP4 kernel; MIGraphX reads no FLOAT8E4M3FN and no blocked DequantizeLinear at its opset)."""
+    graph = proto.graph
+    attach = _Attacher(ckpt, writer, quantized_in_place)
+    for tensor in graph.initializer:
+        name = tensor.name.removeprefix(prefix)
+        table = rope_table(cfg, name)
+        shape = tuple(tensor.dims)
+        experts = stacked_expert_names(name, cfg.n_routed_experts)
+        if table is not None:
+            attach.inline(numpy_helper.from_array(table.numpy(), tensor.name))
+        elif experts is not None:
+            attach.stacked(tensor.name, [ckpt.info(e) for e in experts], shape, tensor.data_type)
+        else:
+            attach.tensor(tensor.name, ckpt.info(name), shape, tensor.data_type)
     del graph.initializer[:]
-    graph.initializer.extend(kept)
+    graph.initializer.extend(attach.initializers)
     old = list(graph.node)
     del graph.node[:]
-    graph.node.extend(nodes + old)
-    return counts
+    graph.node.extend(attach.nodes + old)
+    return attach.counts

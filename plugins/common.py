@@ -30,8 +30,10 @@ def plugin_attrs(**attrs: int | float | str) -> dict[str, int | float | str]:
 
 
 def symbolic(name: str, inputs: Sequence[torch.Tensor], attrs: dict, dtypes: Sequence[torch.dtype],
-             shapes: Sequence[Sequence[int | torch.SymInt]]) -> list[torch.Tensor]:
-    """The op as one `v4::name` node of the exported graph (outputs described by dtypes and shapes)."""
-    outputs = torch.onnx.ops.symbolic_multi_out(f"{DOMAIN}::{name}", list(inputs), plugin_attrs(**attrs),
+             shapes: Sequence[Sequence[int | torch.SymInt]], plugin: bool = True) -> list[torch.Tensor]:
+    """The op as one `v4::name` node of the exported graph (outputs described by dtypes and shapes); with the
+    plugin attributes unless plugin=False (an op that is only ever its ONNX function)."""
+    outputs = torch.onnx.ops.symbolic_multi_out(f"{DOMAIN}::{name}", list(inputs),
+                                                plugin_attrs(**attrs) if plugin else attrs,
                                                 dtypes=list(dtypes), shapes=[list(s) for s in shapes], version=1)
     return [t.to(inputs[0].device) for t in outputs]     # symbolic outputs are made on the CPU

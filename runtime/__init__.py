@@ -1,4 +1,5 @@
-"""v4engine.runtime: loads an engine directory and generates (numpy + onnxruntime, never torch)."""
+"""v4engine.runtime: loads an engine directory and generates (numpy + onnxruntime; torch only for the device
+buffers of the TensorRT session)."""
 from .config import V4Config
 from .errors import ConfigError, V4EngineError
 

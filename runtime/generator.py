@@ -50,12 +50,13 @@ class Generator:
     @classmethod
     def from_engine_dir(cls, path: str | Path, backend: str | None = None, mtp: int | None = None,
                         max_batch: int = 8, max_seq_len: int | None = None, max_cache_bytes: int | None = None,
-                        max_prefill_chunk: int = 512, threads: int | None = None,
+                        max_prefill_chunk: int | None = None, threads: int | None = None,
                         providers: list[str] | None = None) -> "Generator":
         """Open an engine directory. mtp (<= the engine's k, 0 disables drafting) defaults to the engine's.
 
         providers: ONNX Runtime execution providers, e.g. ["CUDAExecutionProvider", "CPUExecutionProvider"] with
-        onnxruntime-gpu installed (default: the CPU)."""
+        onnxruntime-gpu installed (default: the CPU). max_prefill_chunk: prompt tokens per engine call (default: the
+        engine's; a TensorRT engine's profiles end there)."""
         path = Path(path)
         manifest = EngineManifest.read(path)
         if backend is not None and backend != manifest.backend:
@@ -70,7 +71,8 @@ class Generator:
         draft = open_session(path, manifest, "draft", **options) if mtp else None
         scheduler = Scheduler(manifest, target, draft, mtp, max_batch=max_batch,
                               max_seq_len=max_seq_len or manifest.build.get("max_seq_len", 4096),
-                              max_cache_bytes=max_cache_bytes, max_prefill_chunk=max_prefill_chunk)
+                              max_cache_bytes=max_cache_bytes,
+                              max_prefill_chunk=max_prefill_chunk or manifest.build.get("max_prefill_chunk", 512))
         return cls(path, manifest, scheduler, load_tokenizer(path))
 
     # ------------------------------------------------------------------ prompts and text

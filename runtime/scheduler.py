@@ -213,16 +213,22 @@ class Scheduler:
         own num_drafts (a request leaves the recursive calls once it has its k drafts)."""
         if not requests:
             return 0.0
-        hidden = [np.concatenate(r.pending_hidden) for r in requests]
-        ids = [r.tokens[r.draft.length + 1: r.target.length + 1] for r in requests]
-        out, engine = self._draft_call(requests, hidden, ids)
-        last_h = {}
-        for b, r in enumerate(requests):
-            n = len(ids[b])
-            r.draft.commit(self._deltas(out, "draft", b), n)
+        hidden = {r.id: np.concatenate(r.pending_hidden) for r in requests}
+        ids = {r.id: r.tokens[r.draft.length + 1: r.target.length + 1] for r in requests}
+        engine, last_h, chunk = 0.0, {}, self.max_prefill_chunk
+        for start in range(0, max(map(len, ids.values())), chunk):      # in chunks, as the target prefills
+            rows = [r for r in requests if len(ids[r.id]) > start]
+            out, t = self._draft_call(rows, [hidden[r.id][start: start + chunk] for r in rows],
+                                      [ids[r.id][start: start + chunk] for r in rows])
+            engine += t
+            for b, r in enumerate(rows):
+                n = len(ids[r.id][start: start + chunk])
+                r.draft.commit(self._deltas(out, "draft", b), n)
+                if start + n == len(ids[r.id]):                         # its last chunk: the first draft
+                    self._propose(r, out["logits"][b, n - 1])
+                    last_h[r.id] = out["next_hidden"][b, n - 1: n]
+        for r in requests:
             r.pending_hidden = []
-            self._propose(r, out["logits"][b, n - 1])
-            last_h[r.id] = out["next_hidden"][b, n - 1: n]
         for depth in range(1, max(r.num_drafts for r in requests)):
             deeper = [r for r in requests if r.num_drafts > depth]
             out, t = self._draft_call(deeper, [last_h[r.id] for r in deeper], [[r.drafts[-1]] for r in deeper])

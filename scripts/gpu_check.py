@@ -37,8 +37,9 @@ tests/test_gpu_check.py does on the CPU.
     once (q, the window keys and positions, all R rows for HCA, the indexer's R keys, the compressors' buffer)
     except CSA's rows, of which only the k picked rows per query count; every output written once. GB/s =
     those bytes / kernel time, as a share of the H200's 4.8 TB/s and of a measured 2 GiB device copy.
-(d) TensorRT: when importable, building the tiny engines and comparing them with ONNX Runtime belongs here
-    (not written yet: the TensorRT backend is in progress); otherwise the check says it is skipped.
+(d) TensorRT: when importable, `v4build --backend tensorrt` builds a tiny FP8 checkpoint's engines (our plugins,
+    AOT kernels) and polygraphy compares each graph with the ONNX Runtime engine on a first call (fp32, atol
+    1e-3); otherwise the check says it is skipped.
 
 Output: a table on stdout; under --out, rows.jsonl (written as rows complete, so a timeout keeps them),
 gpu_check.json (environment, rows, notes), gpu_check.md (the same table) and aot_compile.json (registers, spills
@@ -618,14 +619,61 @@ def timing_row(row: Row, op: str, z: SimpleNamespace, B: int, runs: int, ptx: Pt
 
 
 # --------------------------------------------------------------------------- (d) TensorRT
-def build_tiny_engines_and_compare_with_onnxruntime() -> str:
-    """Build the tiny engines with TensorRT (our plugins from plugins/tensorrt) and compare them with the ONNX
-    Runtime engine through polygraphy. To be written with the TensorRT backend; until then nothing is claimed."""
-    raise NotImplementedError("the TensorRT engine build and polygraphy comparison are not implemented in "
-                              "scripts/gpu_check.py yet (the TensorRT backend is being written)")
+TENSORRT_ATOL = 1e-3          # fp32 engines; TensorRT may pick TF32-free but reordered GEMM tactics
 
 
-def check_tensorrt(report: Report) -> None:
+def first_call_feeds(manifest: Any, graph: str, batch: int, seq: int) -> dict[str, np.ndarray]:
+    """The inputs of a first call of `graph` (a prefill on empty caches), random tokens and streams."""
+    from v4engine.runtime.cache import SequenceCache, batch_views
+
+    rng = np.random.default_rng(0)
+    cfg = manifest.model
+    groups = manifest.cache_groups(graph)
+    caches = [SequenceCache(cfg, groups, 4 * seq, np.float32) for _ in range(batch)]
+    feeds = {"input_ids": rng.integers(0, cfg.vocab_size, (batch, seq)),
+             "positions": np.tile(np.arange(seq), (batch, 1)), **batch_views(caches, groups)}
+    if graph == "draft":
+        feeds["hidden"] = rng.standard_normal((batch, seq, cfg.hc_mult, cfg.hidden_size)).astype(np.float32)
+    return feeds
+
+
+def compare_with_onnxruntime(manifest: Any, reference: Path, runner: Callable[[str], Any], atol: float
+                             ) -> tuple[bool, str]:
+    """Every graph of `manifest`: runner(graph) (a polygraphy runner) against ONNX Runtime on the graph of the
+    engine folder `reference`, on a first call, through polygraphy's comparator."""
+    from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
+    from polygraphy.comparator import Comparator, SimpleCompareFunc
+
+    verdicts, ok = [], True
+    for graph in manifest.graphs:
+        runners = [OnnxrtRunner(SessionFromOnnx(str(reference / f"{graph}.onnx"))), runner(graph)]
+        results = Comparator.run(runners, data_loader=[first_call_feeds(manifest, graph, 2, 9)])
+        same = bool(Comparator.compare_accuracy(results, compare_func=SimpleCompareFunc(atol=atol, rtol=0)))
+        ok &= same
+        verdicts.append(f"{graph} {'matches' if same else 'DIFFERS'}")
+    return ok, ", ".join(verdicts) + f" ONNX Runtime within {atol} (polygraphy)"
+
+
+def build_tiny_engines_and_compare_with_onnxruntime(work: Path) -> tuple[bool, str]:
+    """Build a tiny FP8 checkpoint's engines with TensorRT (our plugins, AOT kernels) and with ONNX Runtime, and
+    compare them (compare_with_onnxruntime)."""
+    from polygraphy.backend.trt import EngineFromBytes, TrtRunner
+
+    from v4engine.builder.build import BuildOptions, build
+    from v4engine.builder.tiny import make_tiny
+
+    checkpoint = make_tiny(work / "checkpoint", config="flash_like", quantize="fp8")
+    common = dict(checkpoint=checkpoint, mtp=2, max_batch=4, max_seq_len=256, max_prefill_chunk=16, force=True,
+                  progress=False)
+    manifest = build(BuildOptions(output=work / "tensorrt", backend="tensorrt", **common))
+    build(BuildOptions(output=work / "onnxruntime", **common))
+    return compare_with_onnxruntime(
+        manifest, work / "onnxruntime", lambda graph: TrtRunner(
+            EngineFromBytes((work / "tensorrt" / f"{graph}.plan").read_bytes()), optimization_profile=0),
+        TENSORRT_ATOL)
+
+
+def check_tensorrt(report: Report, work: Path) -> None:
     try:
         import tensorrt
     except ImportError:
@@ -634,10 +682,8 @@ def check_tensorrt(report: Report) -> None:
         return
 
     def fill(row: Row) -> None:
-        try:
-            row.note = build_tiny_engines_and_compare_with_onnxruntime()
-        except NotImplementedError as exc:
-            row.note = f"TensorRT {tensorrt.__version__} importable, but {exc}"
+        row.ok, verdict = build_tiny_engines_and_compare_with_onnxruntime(work)
+        row.note = f"TensorRT {tensorrt.__version__}: {verdict}"
         print(row.note, flush=True)
 
     report.run(Row("tensorrt", "engines", "tiny", "-"), fill)
@@ -720,7 +766,7 @@ def check_gpu(report: Report, args: argparse.Namespace, env: dict[str, Any], ext
         copy_gbps = copy_bandwidth(report, runs, flush)
         check_timing(report, QUICK_TIMING_BATCHES if args.quick else TIMING_BATCHES, runs, ptx, copy_gbps, flush)
         section("(d) TensorRT")
-        check_tensorrt(report)
+        check_tensorrt(report, args.out / "tensorrt")
     finally:
         if compile_job is not None:
             if compile_job.poll() is None:

@@ -1,4 +1,5 @@
-"""Every catalog launch plan compiles ahead of time for sm90 and sm100 with exactly the arguments TensorRT passes.
+"""Every catalog launch plan compiles ahead of time for sm90 and sm100 with exactly the arguments TensorRT passes,
+and for gfx942 (MI300).
 
 The aot CLI runs once, in a child process without TRITON_INTERPRET (which conftest.py sets without a GPU): in a
 process that imported Triton under the interpreter, tl.max & co are wrapped for it and the compiler rejects them.
@@ -39,3 +40,15 @@ def test_refuses_to_compile_under_the_interpreter(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         aot.main(["--targets", "sm90"])
     assert "unset it" in capsys.readouterr().err
+
+
+def test_every_plan_compiles_for_mi300():
+    """gfx942 (issue 8: a build check for MIGraphX custom ops to come): every catalog kernel gives an AMD code
+    object, needing no scratch memory."""
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "v4engine.plugins.kernels.aot", "--targets", "gfx942", "--json"],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert done.stdout, done.stderr[-3000:]
+    rows = json.loads(done.stdout)
+    assert len(rows) == sum(len(plans) for size in catalog.SIZES for plans in catalog.plans(size).values())
+    assert all(row["ok"] and row["hsaco"] > 0 for row in rows), [row for row in rows if not row["ok"]]

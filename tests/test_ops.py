@@ -9,6 +9,7 @@ import torch
 from onnx import helper
 
 from v4engine.plugins import DOMAIN, OPSET, PLUGIN_OPS, onnx_functions
+from v4engine.plugins.sinkhorn import hc_sinkhorn
 from v4engine.plugins.attention import csa_attention, hca_attention, sliding_attention
 from v4engine.plugins.compressor import csa_compress, hca_compress
 from v4engine.plugins.indexer import indexer_topk
@@ -17,14 +18,16 @@ TOL = 1e-5
 _DTYPES = {torch.float32: onnx.TensorProto.FLOAT, torch.int64: onnx.TensorProto.INT64}
 
 
-def run_onnx(op: str, inputs: list[torch.Tensor], attrs: dict, out_specs: list[tuple[torch.dtype, int]]
-             ) -> list[np.ndarray]:
-    """One call node of `v4::op` (with the plugin attributes) in a model that carries every function.
+def run_onnx(op: str, inputs: list[torch.Tensor], attrs: dict, out_specs: list[tuple[torch.dtype, int]],
+             plugin: bool = True) -> list[np.ndarray]:
+    """One call node of `v4::op` (with the plugin attributes unless plugin=False) in a model that carries every
+    function (Sinkhorn's for 19 rounds).
 
     out_specs: (dtype, rank) of each output. The model passes onnx.checker's full check."""
     names = [f"in{i}" for i in range(len(inputs))]
     outs = [f"out{i}" for i in range(len(out_specs))]
-    node = helper.make_node(op, names, outs, domain=DOMAIN, plugin_namespace="v4", plugin_version="1", **attrs)
+    plugin_attrs = {"plugin_namespace": "v4", "plugin_version": "1"} if plugin else {}
+    node = helper.make_node(op, names, outs, domain=DOMAIN, **plugin_attrs, **attrs)
     graph = helper.make_graph(
         [node], op,
         [helper.make_tensor_value_info(n, _DTYPES[t.dtype], [f"{n}_{i}" for i in range(t.dim())])
@@ -32,7 +35,7 @@ def run_onnx(op: str, inputs: list[torch.Tensor], attrs: dict, out_specs: list[t
         [helper.make_tensor_value_info(o, _DTYPES[dt], [f"{o}_{i}" for i in range(rank)])
          for o, (dt, rank) in zip(outs, out_specs)])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(DOMAIN, 1)],
-                              functions=onnx_functions(), ir_version=10)
+                              functions=onnx_functions(sinkhorn_rounds=19), ir_version=10)
     onnx.checker.check_model(model, full_check=True)
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     return session.run(None, {n: t.numpy() for n, t in zip(names, inputs)})
@@ -57,6 +60,16 @@ def window_inputs(gen, B=3, S=5, H=4, d=16, W=8, starts=(0, 9, 30)):
 
 def test_every_op_has_a_function():
     assert {f.name for f in onnx_functions()} >= set(PLUGIN_OPS)
+
+
+def test_sinkhorn_function_is_its_reference_unrolled(gen):
+    """The mHC Sinkhorn rounds as one node: its function (19 rounds, V4's 20 iterations) runs the reference's
+    very operations, so ONNX Runtime agrees to float rounding; the reference gives doubly stochastic rows."""
+    comb = torch.rand(2, 5, 4, 4, generator=gen) + 0.01
+    expected = hc_sinkhorn(comb, rounds=19, eps=1e-6)
+    (got,) = run_onnx("HcSinkhorn", [comb], {"rounds": 19, "eps": 1e-6}, [(torch.float32, 4)], plugin=False)
+    np.testing.assert_allclose(got, expected.numpy(), rtol=0, atol=1e-7)
+    torch.testing.assert_close(expected.sum(-2), torch.ones(2, 5, 4), rtol=0, atol=1e-5)
 
 
 def test_sliding_attention(gen):

@@ -1,17 +1,45 @@
-"""Backend compilers: one module per backend, chosen by name (`--backend`)."""
+"""Backend compilers: one module per backend, chosen by name (`--backend`).
+
+Each takes the engine directory with its exported graphs and engine.json and compiles (and checks) them for its
+runtime; what it returns is recorded in engine.json as `build.compile`."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from v4engine.runtime.engine import EngineManifest
 
+# The quantized weight formats each backend keeps quantized in place (behind a blocked DequantizeLinear); weights
+# of the other formats are dequantized into the converted file: ONNX Runtime's CPU provider has no FP4 kernel,
+# and MIGraphX reads neither FLOAT8E4M3FN nor blocked DequantizeLinear at its opset 19.
+QUANTIZED_IN_PLACE = {"onnxruntime": frozenset({"fp8_block"}), "tensorrt": frozenset({"fp8_block", "mxfp4"}),
+                      "migraphx": frozenset()}
 
-def compile_engine(engine_dir: Path, manifest: EngineManifest) -> dict:
+
+def preflight(backend: str, onnx_only: bool) -> None:
+    """Fail before the export when the backend's compiler is needed but missing (one clear line)."""
+    if backend == "tensorrt" and not onnx_only:
+        from .tensorrt import check_installed
+
+        check_installed()
+
+
+def compile_engine(engine_dir: Path, manifest: EngineManifest, options: Any) -> dict:
     """Compile (and check) the graphs of engine_dir for manifest.backend; returns what to record in engine.json."""
     if manifest.backend == "onnxruntime":
         from .onnxruntime import compile_engine as compile_onnxruntime
 
         return compile_onnxruntime(engine_dir, manifest)
+    if manifest.backend == "tensorrt":
+        from .tensorrt import compile_engine as compile_tensorrt
+
+        return compile_tensorrt(engine_dir, manifest, onnx_only=options.onnx_only,
+                                optimization_level=options.builder_optimization_level,
+                                timing_cache=options.timing_cache)
+    if manifest.backend == "migraphx":
+        from .migraphx import compile_engine as compile_migraphx
+
+        return compile_migraphx(engine_dir, manifest)
     from ..build import BuildError
 
     raise BuildError(f"--backend {manifest.backend}: not available in this build of v4engine yet")

@@ -23,6 +23,7 @@ from torch import nn
 from v4engine.plugins.attention import csa_attention, hca_attention, sliding_attention
 from v4engine.plugins.compressor import csa_compress, hca_compress
 from v4engine.plugins.indexer import indexer_topk
+from v4engine.plugins.sinkhorn import hc_sinkhorn
 from v4engine.runtime.config import CSA, HASH_MOE, HCA, SLIDING, V4Config
 
 from .rope import apply_rope, cos_sin, inv_freq
@@ -116,9 +117,7 @@ def hyper_connection(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
     post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
     comb = torch.softmax(comb_w.unflatten(-1, (n, n)) * scale[2] + comb_b.view(n, n), dim=-1) + cfg.hc_eps
     comb = comb / (comb.sum(dim=-2, keepdim=True) + cfg.hc_eps)
-    for _ in range(cfg.hc_sinkhorn_iters - 1):                 # Sinkhorn: rows, then columns
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + cfg.hc_eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + cfg.hc_eps)
+    comb = hc_sinkhorn(comb, rounds=cfg.hc_sinkhorn_iters - 1, eps=cfg.hc_eps)     # then rows, columns, ...
     collapsed = (pre.unsqueeze(-1) * x).sum(dim=2).to(x.dtype)
     return post, comb, collapsed
 
@@ -299,6 +298,28 @@ class Gate(nn.Module):
         return torch.zeros_like(scores).scatter_add(1, indices, weights)  # a repeated expert counts twice
 
 
+class StackedExperts(nn.Module):
+    """The routed experts as three stacked weights [E, out, in], computed in one batched product.
+
+    The same sum as running each Expert on every token with its (often zero) routing weight, but a handful
+    of graph nodes per layer whatever the number of experts: the export of a 256-expert layer would
+    otherwise trace 256 expert bodies. The builder gives each stacked weight its bytes as the experts'
+    own checkpoint tensors, joined in the graph (builder/weights.py)."""
+
+    def __init__(self, experts: nn.ModuleList):
+        super().__init__()
+        for name in ("w1", "w2", "w3"):
+            setattr(self, name, nn.Parameter(torch.stack([getattr(e, name).weight for e in experts])))
+        self.limit = experts[0].limit
+
+    def forward(self, x: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
+        """x [T, D], route [T, E] -> the fp32 sum over experts [T, D], each expert as Expert.forward computes it."""
+        limit = self.limit
+        h1, h3 = (torch.matmul(x, w.transpose(1, 2)).float() for w in (self.w1, self.w3))       # [E, T, inter]
+        h = F.silu(h1.clamp(max=limit)) * h3.clamp(-limit, limit) * route.t().unsqueeze(-1)
+        return torch.matmul(h.to(x.dtype), self.w2.transpose(1, 2)).float().sum(dim=0)
+
+
 class MoE(nn.Module):
     """Routed experts + one shared expert. Every expert runs on every token with its (often zero) weight:
     exact and free of data-dependent shapes, so the exported graph is right at every length."""
@@ -310,12 +331,20 @@ class MoE(nn.Module):
                                      for _ in range(cfg.n_routed_experts))
         self.shared_experts = Expert(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
                                      cfg.swiglu_limit)
+        self.routed: StackedExperts | None = None
+
+    def stack_experts(self) -> None:
+        """Replace the per-expert modules by StackedExperts (for export; the weights are stacked, not shared)."""
+        self.routed = StackedExperts(self.experts)
+        del self.experts
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         route = self.gate(flat, input_ids)
         out = self.shared_experts(flat).float()                 # accumulated in fp32, as the official code does
+        if self.routed is not None:
+            return (out + self.routed(flat, route)).to(x.dtype).view(shape)
         for e, expert in enumerate(self.experts):
             if self.training:   # training: only the routed tokens (same sum; data-dependent shapes are fine here)
                 rows = route[:, e].nonzero().squeeze(-1)
@@ -395,6 +424,13 @@ class Transformer(nn.Module):
         self.hc_head_base = nn.Parameter(torch.zeros(n))
         self.hc_head_scale = nn.Parameter(torch.ones(1))
         self.mtp = nn.ModuleList([MTPLayer(cfg)] if mtp else [])
+
+    def stack_experts(self) -> "Transformer":
+        """Every MoE's routed experts as StackedExperts (MoE.stack_experts): the form the graphs are exported in."""
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.stack_experts()
+        return self
 
     def to_dtype(self, dtype: torch.dtype) -> "Transformer":
         """Activations and most weights in `dtype`; the hc mixes, sinks, ape and router bias stay fp32 (as stored)."""

@@ -1,11 +1,13 @@
 """Compile every catalog plan ahead of time for GPUs this machine need not have, and check what launchers see:
-`python -m v4engine.plugins.kernels.aot --targets sm90 sm100 [--size tiny v4-flash] [--out DIR] [--json]`.
+`python -m v4engine.plugins.kernels.aot --targets sm90 sm100 gfx942 [--size tiny v4-flash] [--out DIR] [--json]`.
 
 TensorRT launches AOT kernels with the plan's arguments only, so the PTX `.entry` must take exactly those plus
 the two scratch pointers Triton appends (unused: compile_plan refuses kernels that need scratch); the exit
 status is 1 when a kernel does not, or does not compile. Registers and local memory (spills) are read from the
 cubin with Triton's cuobjdump, as Triton's n_regs / n_spills exist only on a GPU. --out writes the PTX that
 TensorRT or scripts/gpu_check.py loads, as OUT/target/size/op/kernel.ptx (named after its `.entry`).
+gfx942 (MI300) is a build check for the day MIGraphX custom ops launch these kernels: the row is ok when the
+AMD code object (hsaco) is produced; --out writes it as OUT/gfx942/size/op/kernel.hsaco.
 """
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ from .catalog import SIZES, plans
 from .launch import TARGETS, LaunchPlan, compile_plan, interpreting
 
 HIDDEN_PARAMS = 2                     # Triton's global and profile scratch pointers, after the plan's arguments
-COLUMNS = ("size", "op", "kernel", "target", "arguments", "params", "regs", "local", "shared", "ok", "error")
+COLUMNS = ("size", "op", "kernel", "target", "arguments", "params", "regs", "local", "shared", "hsaco", "ok",
+           "error")
 
 
 def entry_params(ptx: str) -> int:
@@ -50,6 +53,13 @@ def compile_row(size: str, op: str, plan: LaunchPlan, target: str, out: Path | N
         compiled = compile_plan(plan, target)
     except Exception as exc:
         return row | dict(error=f"{type(exc).__name__}: {exc}")
+    if TARGETS[target].backend == "hip":
+        hsaco = compiled.asm["hsaco"]
+        if out:
+            path = out / target / size / op / f"{plan.kernel.__name__}.hsaco"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(hsaco)
+        return row | dict(shared=compiled.metadata.shared, hsaco=len(hsaco), ok=len(hsaco) > 0)
     ptx = compiled.asm["ptx"]
     params = entry_params(ptx)
     if out:
@@ -70,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m v4engine.plugins.kernels.aot", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--targets", nargs="+", required=True,
-                        choices=[name for name, target in TARGETS.items() if target.backend == "cuda"])
+                        choices=list(TARGETS))
     parser.add_argument("--size", nargs="+", choices=list(SIZES), default=list(SIZES))
     parser.add_argument("--out", type=Path, help="write the PTX to OUT/target/size/op/kernel.ptx")
     parser.add_argument("--json", action="store_true", help="print the rows as a JSON list instead of a table")

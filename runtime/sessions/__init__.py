@@ -1,4 +1,4 @@
-"""Engine sessions: one small interface, one module per backend (onnxruntime here; tensorrt, migraphx later)."""
+"""Engine sessions: one small interface, one module per backend (onnxruntime, tensorrt, migraphx)."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -20,11 +20,21 @@ class EngineSession(ABC):
 
 
 def open_session(engine_dir, manifest, graph: str, **options) -> EngineSession:
-    """The session for `graph` ('target' or 'draft') of the engine's backend."""
+    """The session for `graph` ('target' or 'draft') of the engine's backend.
+
+    options are ONNX Runtime's (providers, threads, ...); TensorRT and MIGraphX engines run on the current GPU."""
     if manifest.backend == "onnxruntime":
         from .onnxruntime import OnnxRuntimeSession
 
         return OnnxRuntimeSession(engine_dir, manifest, graph, **options)
+    if manifest.backend == "tensorrt":
+        from .tensorrt import TensorRTSession
+
+        return TensorRTSession(engine_dir, manifest, graph)
+    if manifest.backend == "migraphx":
+        from .migraphx import MIGraphXSession
+
+        return MIGraphXSession(engine_dir, manifest, graph)
     from ..engine import EngineFormatError
 
     raise EngineFormatError(f"{engine_dir}: backend '{manifest.backend}' has no session in this runtime yet")

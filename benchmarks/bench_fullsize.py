@@ -1,0 +1,109 @@
+"""Full size without the bytes: a release-shaped checkpoint through `v4build --backend tensorrt --onnx-only`.
+
+1. `v4build make-release` writes the release's checkpoint (V4-Flash: 43 layers, 256 experts, FP8 block weights,
+   MXFP4 experts, mtp.0.*; about 160 GB) as sparse safetensors files: valid headers, data holes, no disk used.
+2. The build runs in a child process, alone: everything up to TensorRT's own build (export of target and draft,
+   weights attached in place, onnx.checker and strict shape inference, the TensorRT preparation and profiles).
+3. Reported: wall time, the child's peak RSS, the build's stages, and where every weight's bytes come from:
+   each initializer of both graphs is in place (a linked checkpoint file), converted (weights/converted.bin) or
+   inline; FP8 and FP4 tensors must all be in place, and only FP8 scale rows may be converted.
+
+    .venv/bin/python benchmarks/bench_fullsize.py --work /tmp/fullsize [--release v4-flash] [--mtp 3]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import onnx
+
+QUANTIZED = {onnx.TensorProto.FLOAT8E4M3FN: "FP8", onnx.TensorProto.FLOAT4E2M1: "FP4"}
+
+
+def disk_bytes(folder: Path) -> tuple[int, int]:
+    """(apparent bytes, bytes on disk) of the regular files under folder (hard links counted once)."""
+    seen, apparent, used = set(), 0, 0
+    for f in folder.rglob("*"):
+        st = f.lstat()
+        if f.is_file() and not f.is_symlink() and st.st_ino not in seen:
+            seen.add(st.st_ino)
+            apparent, used = apparent + st.st_size, used + st.st_blocks * 512
+    return apparent, used
+
+
+def weight_sources(engine: Path, manifest: dict) -> dict[str, Counter]:
+    """Per graph: initializer counts by (source, type), where source is in place / converted / inline."""
+    linked = {w["file"] for w in manifest["weights"]["files"] if w["link"] != "converted"}
+    out = {}
+    for graph, entry in manifest["graphs"].items():
+        model = onnx.load(str(engine / entry["file"]), load_external_data=False)
+        counts: Counter = Counter()
+        for t in model.graph.initializer:
+            kind = QUANTIZED.get(t.data_type, onnx.TensorProto.DataType.Name(t.data_type))
+            if t.data_location != onnx.TensorProto.EXTERNAL:
+                counts["inline", kind] += 1
+                continue
+            location = next(e.value for e in t.external_data if e.key == "location")
+            source = "in place" if location in linked else "converted"
+            if source == "converted" and not t.name.endswith(".scale"):
+                raise SystemExit(f"{engine / entry['file']}: {t.name} ({kind}) was converted, not referenced in place")
+            if kind in QUANTIZED.values() and source != "in place":
+                raise SystemExit(f"{engine / entry['file']}: quantized {t.name} is not in place")
+            counts[source, kind] += 1
+        out[graph] = counts
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--work", type=Path, required=True, help="folder for the checkpoint and the engine")
+    parser.add_argument("--release", default="v4-flash", choices=["v4-flash", "v4-pro"], help="default v4-flash")
+    parser.add_argument("--mtp", type=int, default=3, help="draft tokens (default 3)")
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="activations (default bf16)")
+    args = parser.parse_args()
+    bin_dir = Path(sys.executable).parent
+    checkpoint, engine = args.work / args.release, args.work / f"{args.release}-tensorrt"
+    args.work.mkdir(parents=True, exist_ok=True)
+    subprocess.run([bin_dir / "v4build", "make-release", str(checkpoint), "--release", args.release], check=True)
+    shutil.rmtree(engine, ignore_errors=True)
+    started = time.perf_counter()
+    subprocess.run([bin_dir / "v4build", "--checkpoint", str(checkpoint), "--output", str(engine), "--backend",
+                    "tensorrt", "--onnx-only", "--mtp", str(args.mtp), "--dtype", args.dtype], check=True)
+    wall = time.perf_counter() - started
+    peak_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024    # the largest child: the build
+    manifest = json.loads((engine / "engine.json").read_text())
+    ckpt_apparent, ckpt_used = disk_bytes(checkpoint)
+    graphs_apparent = sum((engine / g["file"]).stat().st_size for g in manifest["graphs"].values())
+    converted = next((w["bytes"] for w in manifest["weights"]["files"] if w["link"] == "converted"), 0)
+    print(f"\n## {args.release}: v4build --backend tensorrt --onnx-only --mtp {args.mtp} --dtype {args.dtype}\n")
+    print("| measure | value |\n|---|---|")
+    print(f"| wall time | {wall:.0f} s |")
+    print(f"| peak RSS | {peak_rss / 2**30:.2f} GiB |")
+    stages = ", ".join(f"{k} {v:.0f} s" for k, v in manifest["build"]["stages"].items())
+    print(f"| stages | {stages} |")
+    print(f"| checkpoint | {manifest['checkpoint']['tensors']} tensors, {ckpt_apparent / 1e9:.1f} GB apparent, "
+          f"{ckpt_used / 2**20:.0f} MiB on disk |")
+    sizes = ", ".join(f"{name}.onnx {(engine / g['file']).stat().st_size / 2**20:.0f} MiB"
+                      for name, g in manifest["graphs"].items())
+    print(f"| graphs | {sizes} ({graphs_apparent / 2**20:.0f} MiB) |")
+    print(f"| converted.bin | {converted / 2**20:.0f} MiB (FP8 block scales as float rows) |")
+    print(f"| weight treatments | {manifest['build']['weights']} |")
+    for graph, counts in weight_sources(engine, manifest).items():
+        listed = ", ".join(f"{source} {kind}: {n}" for (source, kind), n in sorted(counts.items()))
+        print(f"| {graph} initializers | {listed} |")
+    print(f"| TensorRT | {manifest['build']['compile']['tensorrt']} |")
+    listed = "; ".join(f"{graph}: " + ", ".join(p["name"] for p in ps)
+                       for graph, ps in manifest["build"]["compile"]["profiles"].items())
+    print(f"| profiles | {listed} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

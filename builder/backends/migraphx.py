@@ -1,0 +1,216 @@
+"""MIGraphX (ROCm): the portable graphs rewritten into what MIGraphX's ONNX parser reads, then compiled for the GPU.
+
+MIGraphX's parser (read from its sources: migraphx_ops.json names the release) dispatches on op_type alone, never
+reads model-local functions, documents opsets up to 19 and rejects FLOAT8E4M3FN tensors. So for each graph:
+1. the v4 op functions are inlined (onnx.inliner): the engine runs their standard-op bodies;
+2. ops the parser lacks are rewritten into ones it has: the exporter's SplitToSequence + SequenceAt become one
+   Split (the only such pair in our graphs; `check` names any other);
+3. quantized weights arrive dequantized (the builder's QUANTIZED_IN_PLACE policy gives MIGraphX none), so no
+   FLOAT8E4M3FN tensor and no blocked DequantizeLinear remain;
+4. the opset is lowered to 19 (`lower_opset`), and onnx.checker and strict shape inference prove it;
+5. `check` compares every op, tensor type and the opset with the allowlist and fails the build with one line
+   naming every offender.
+Then, where the `migraphx` module imports, each graph is parsed and compiled once per optimization profile
+(dynamic dims from the profile's min/opt/max) and saved as `{graph}.{profile}.mxr`; elsewhere the engine folder gets
+`compile_migraphx.sh`, which does the same on the ROCm machine (`python -m v4engine.builder.backends.migraphx`).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import onnx
+from onnx import helper, inliner
+
+from v4engine.runtime.engine import EngineManifest
+from v4engine.runtime.errors import V4EngineError
+from v4engine.runtime.profiles import Profile
+
+from .profiles import profiles
+
+ALLOWLIST = Path(__file__).with_name("migraphx_ops.json")
+SCRIPT = "compile_migraphx.sh"
+
+
+class MIGraphXCheckError(V4EngineError):
+    """A graph holds something MIGraphX's ONNX parser would reject."""
+
+
+@cache
+def allowlist() -> dict[str, Any]:
+    """migraphx_ops.json: the parser's ops, accepted and rejected types, documented opset, and their source."""
+    return json.loads(ALLOWLIST.read_text())
+
+
+def split_sequences(graph: onnx.GraphProto) -> int:
+    """Each SplitToSequence whose SequenceAt readers use constant positions -> one Split; returns how many."""
+    nodes = list(graph.node)
+    constants = {n.output[0]: onnx.numpy_helper.to_array(n.attribute[0].t) for n in nodes
+                 if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"}
+    readers: dict[str, list[int]] = {}
+    for i, node in enumerate(nodes):
+        if node.op_type == "SequenceAt":
+            readers.setdefault(node.input[0], []).append(i)
+    replaced: dict[int, onnx.NodeProto] = {}
+    for i, node in enumerate(nodes):
+        if node.op_type != "SplitToSequence" or len(node.input) < 2 or node.input[1] not in constants:
+            continue
+        sizes = constants[node.input[1]]
+        users = readers.get(node.output[0], [])
+        keepdims = next((a.i for a in node.attribute if a.name == "keepdims"), 1)
+        if sizes.ndim != 1 or keepdims != 1 or not all(nodes[u].input[1] in constants for u in users):
+            continue
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+        parts = [f"{node.output[0]}.{k}" for k in range(len(sizes))]
+        replaced[i] = helper.make_node("Split", [node.input[0], node.input[1]], parts, axis=axis,
+                                       name=f"{node.name}.split")
+        for u in users:
+            index = int(constants[nodes[u].input[1]]) % len(sizes)
+            replaced[u] = helper.make_node("Identity", [parts[index]], list(nodes[u].output), name=nodes[u].name)
+    if replaced:
+        del graph.node[:]
+        graph.node.extend(replaced.get(i, node) for i, node in enumerate(nodes))
+    return sum(1 for node in replaced.values() if node.op_type == "Split")
+
+
+def lower_opset(model: onnx.ModelProto, opset: int) -> None:
+    """Declare the default-domain opset `opset`. Between 19 and 23 our ops changed only by taking more types
+    (bf16 Cos/Sin/Softplus at 22, 4-bit and FP8 types at 21/23) or blocked DequantizeLinear (21), which the
+    variant no longer holds; onnx.checker and strict, type-checked shape inference against the older schemas then
+    prove it (onnx.version_converter cannot run on graphs whose initializers are external and unloaded)."""
+    for node in model.graph.node:
+        onnx.defs.get_schema(node.op_type, opset)           # raises for an op that did not exist yet
+    for entry in model.opset_import:
+        if entry.domain in ("", "ai.onnx"):
+            entry.version = opset
+
+
+def offenders(model: onnx.ModelProto) -> list[str]:
+    """Everything in `model` MIGraphX's parser would reject, one short phrase each (empty: it parses)."""
+    allowed = allowlist()
+    ops, rejected = set(allowed["ops"]), set(allowed["types_rejected"])
+    found: list[str] = []
+    opset = max((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), default=0)
+    if opset > allowed["max_opset"]:
+        found.append(f"opset {opset} (MIGraphX documents up to {allowed['max_opset']})")
+    if model.functions:
+        found.append(f"{len(model.functions)} model-local function(s) such as {model.functions[0].name} "
+                     "(never parsed)")
+    for node in model.graph.node:
+        where = f"node '{node.name or node.output[0]}'"
+        if node.op_type not in ops:
+            found.append(f"op {node.op_type} ({where})")
+        elif node.op_type in allowed["contrib_semantics"] and node.domain in ("", "ai.onnx"):
+            found.append(f"op {node.op_type} ({where}): MIGraphX reads it as the contrib op, "
+                         f"{allowed['contrib_semantics'][node.op_type]}")
+        for a in node.attribute:
+            if a.name == "to" and onnx.TensorProto.DataType.Name(a.i) in rejected:
+                found.append(f"type {onnx.TensorProto.DataType.Name(a.i)} ({where} casts to it)")
+    typed = [(t.name, t.data_type, "initializer") for t in model.graph.initializer]
+    typed += [(v.name, v.type.tensor_type.elem_type, "value") for v in
+              [*model.graph.input, *model.graph.output, *model.graph.value_info]]
+    for name, data_type, kind in typed:
+        type_name = onnx.TensorProto.DataType.Name(data_type)
+        if type_name in rejected:
+            found.append(f"type {type_name} ({kind} '{name}')")
+    return found
+
+
+def check(model: onnx.ModelProto, path: Path) -> None:
+    """MIGraphXCheckError naming every offender, in one line."""
+    found = offenders(model)
+    if found:
+        allowed = allowlist()
+        raise MIGraphXCheckError(f"{path}: MIGraphX {allowed['migraphx_version']}'s ONNX parser would reject: "
+                                 + "; ".join(found))
+
+
+def prepare_variant(path: Path, weight_files: dict[str, int]) -> dict[str, Any]:
+    """Rewrite the portable graph at `path` into the MIGraphX variant (steps 1-5 of the module doc), in place.
+    weight_files: the engine's weight files and sizes (the checker's stand-ins, as in the build)."""
+    from ..build import check_graph
+    model = onnx.load(str(path), load_external_data=False)
+    model = inliner.inline_local_functions(model)
+    del model.functions[:]
+    kept = [o for o in model.opset_import if o.domain in ("", "ai.onnx")]
+    del model.opset_import[:]
+    model.opset_import.extend(kept)
+    splits = split_sequences(model.graph)
+    lower_opset(model, allowlist()["max_opset"])
+    check_graph(model, weight_files)
+    check(model, path)
+    onnx.save(model, str(path))
+    return {"nodes": len(model.graph.node), "opset": allowlist()["max_opset"], "splits_rewritten": splits}
+
+
+def compile_programs(engine_dir: Path, manifest: EngineManifest, migraphx: Any,
+                     graph_profiles: dict[str, list[Profile]]) -> dict[str, list[dict[str, str]]]:
+    """Parse and compile every graph once per optimization profile for the GPU; save `{graph}.{profile}.mxr`."""
+    out: dict[str, list[dict[str, str]]] = {}
+    for graph, entry in manifest.graphs.items():
+        out[graph] = []
+        for profile in graph_profiles[graph]:
+            dims = {name: [migraphx.shape.dynamic_dimension(lo, hi, {opt} if lo != hi else set())
+                           for lo, opt, hi in zip(*ranges)] for name, ranges in profile.shapes.items()}
+            program = migraphx.parse_onnx(str(engine_dir / entry.file), map_dyn_input_dims=dims)
+            program.compile(migraphx.get_target("gpu"))
+            file = f"{graph}.{profile.name}.mxr"
+            migraphx.save(program, str(engine_dir / file))
+            out[graph].append({"profile": profile.name, "file": file})
+    return out
+
+
+def compile_engine(engine_dir: Path, manifest: EngineManifest) -> dict[str, Any]:
+    """Prepare every graph's variant and compile it where MIGraphX imports; returns engine.json's build.compile."""
+    allowed = allowlist()
+    graph_profiles = {graph: profiles(manifest, graph) for graph in manifest.graphs}
+    record: dict[str, Any] = {
+        "allowlist": {"migraphx": allowed["migraphx_version"], "source": allowed["source"]},
+        "variant": {graph: prepare_variant(engine_dir / entry.file, {w.file: w.bytes for w in manifest.weights})
+                    for graph, entry in manifest.graphs.items()},
+        "profiles": {graph: [asdict(p) for p in ps] for graph, ps in graph_profiles.items()}}
+    try:
+        import migraphx
+    except ImportError:
+        script = engine_dir / SCRIPT
+        script.write_text("#!/usr/bin/env bash\n# Compile this engine's MIGraphX programs (one .mxr per graph and "
+                          "optimization profile)\n# on a ROCm machine with MIGraphX's Python module and v4engine "
+                          "installed.\nset -euo pipefail\nexec python3 -m v4engine.builder.backends.migraphx "
+                          "\"$(dirname \"$0\")\"\n")
+        script.chmod(0o755)
+        record |= {"migraphx": "not installed here: run compile_migraphx.sh on the ROCm machine", "programs": None}
+        return record
+    record |= {"migraphx": getattr(migraphx, "__version__", "unknown"),
+               "programs": compile_programs(engine_dir, manifest, migraphx, graph_profiles)}
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m v4engine.builder.backends.migraphx ENGINE_DIR`: compile a prepared engine's programs (ROCm)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m v4engine.builder.backends.migraphx ENGINE_DIR", file=sys.stderr)
+        return 2
+    import migraphx
+
+    engine_dir = Path(argv[0])
+    manifest = EngineManifest.read(engine_dir)
+    graph_profiles = {graph: [Profile.from_dict(p) for p in ps]
+                      for graph, ps in manifest.build["compile"]["profiles"].items()}
+    manifest.build["compile"]["programs"] = compile_programs(engine_dir, manifest, migraphx, graph_profiles)
+    manifest.build["compile"]["migraphx"] = getattr(migraphx, "__version__", "unknown")
+    manifest.write(engine_dir)
+    print(f"compiled {engine_dir}: " + ", ".join(p["file"] for ps in manifest.build["compile"]["programs"].values()
+                                                 for p in ps))
+    return 0
+
+
+
+__all__ = ["allowlist", "offenders", "check", "prepare_variant", "compile_engine", "MIGraphXCheckError"]
+
+if __name__ == "__main__":
+    sys.exit(main())

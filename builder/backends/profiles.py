@@ -1,0 +1,40 @@
+"""The optimization profiles of shape-specialized backends (TensorRT, MIGraphX): one per kind of engine call the
+runtime makes, decided from engine.json's build limits and recorded there, in the order the engine holds them."""
+from __future__ import annotations
+
+from v4engine.runtime.engine import EngineManifest, TensorSpec
+from v4engine.runtime.profiles import Profile
+
+
+def profiles(manifest: EngineManifest, graph: str) -> list[Profile]:
+    """The runtime's calls of `graph` (runtime/scheduler.py), as optimization profiles.
+
+    target: `prefill` (chunks of up to max_prefill_chunk tokens, verify rows riding along) and `verify`
+    (k+1 tokens per row: every decode step). draft: `extend` (the newly committed tokens, in chunks) and
+    `step` (one token per row: the recursive draft steps). Batch 1..max_batch; cached rows of the compressed
+    layers 0..max_seq_len/ratio + 1."""
+    build = manifest.build
+    max_batch, chunk, max_seq = build["max_batch"], build["max_prefill_chunk"], build["max_seq_len"]
+    cfg = manifest.model
+    max_rows = max_seq // min(cfg.compress_rates.values()) + 1
+    if graph == "target":
+        kinds = {"prefill": (1, chunk, chunk), "verify": (1, manifest.mtp + 1, manifest.mtp + 1)}
+    else:
+        kinds = {"extend": (1, chunk, chunk), "step": (1, 1, 1)}
+    dims = {"batch": (1, 1, max_batch), "rows_csa": (0, max_rows // 2, max_rows),
+            "rows_hca": (0, max_rows // 2, max_rows)}
+    out = []
+    for name, seq in kinds.items():
+        ranges = dims | {"seq": seq}
+        shapes = {spec.name: tuple(tuple(d if isinstance(d, int) else ranges[d][i] for d in spec.shape)
+                                   for i in range(3))
+                  for spec in manifest.graphs[graph].inputs if not _static(spec)}
+        out.append(Profile(name, shapes))
+    return out
+
+
+def _static(spec: TensorSpec) -> bool:
+    return all(isinstance(d, int) for d in spec.shape)
+
+
+__all__ = ["profiles"]

@@ -1,0 +1,124 @@
+"""TensorRT: the exported graphs, prepared for TensorRT's ONNX parser, then built into serialized engines.
+
+Preparation (always; all that `--onnx-only` does):
+- every v4 op node gets `aot=1`, so TensorRT takes the plugin's ahead-of-time PTX kernel (plugins/tensorrt) and
+  the engine runs without Python. The nodes already carry `plugin_namespace="v4"`, which makes the parser
+  prefer the plugin over the model-local function of the same name; the builder also sets the parser flag
+  ENABLE_PLUGIN_OVERRIDE. The functions stay in the graph as the op's definition (and as what ONNX Runtime runs
+  when the prepared graph is checked against the ONNX Runtime engine).
+- precisions are all in the graph (TensorRT 11 builds strongly typed networks only): activations in the build
+  dtype, hc mixes, sinks and softmaxes in fp32, FP8 weights in place with a blocked DequantizeLinear, MXFP4
+  experts in place as FLOAT4E2M1 with their E8M0 scales (builder/weights.py, fp4_in_place).
+- optimization profiles, one per kind of call the runtime makes (`profiles`), recorded in engine.json.
+
+Build (TensorRT importable, no `--onnx-only`): a strongly typed network parsed from each prepared graph, one
+optimization profile per entry of `profiles`, a timing cache (read if it exists, written back after), and
+`--builder-optimization-level`; each serialized engine goes next to its graph as `{graph}.plan`.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import onnx
+
+from v4engine.plugins import DOMAIN, PLUGIN_OPS
+from v4engine.plugins.tensorrt import MIN_TENSORRT, TensorRTNotInstalled, register_plugins
+from v4engine.runtime.engine import EngineManifest
+from v4engine.runtime.errors import V4EngineError
+from v4engine.runtime.profiles import Profile
+
+from .profiles import profiles
+
+DEFAULT_OPTIMIZATION_LEVEL = 3
+
+
+class TensorRTBuildError(V4EngineError):
+    """TensorRT is missing, or refused a graph or a build."""
+
+
+def prepare_onnx(path: Path) -> int:
+    """Mark every v4 op node of the graph at `path` for TensorRT's AOT plugins (in place); returns how many."""
+    model = onnx.load(str(path), load_external_data=False)
+    marked = 0
+    for node in model.graph.node:
+        if node.domain == DOMAIN and node.op_type in PLUGIN_OPS:
+            node.attribute.append(onnx.helper.make_attribute("aot", 1))
+            marked += 1
+    for function in model.functions:      # declared on the ops' definitions, as plugin_namespace is
+        if function.domain == DOMAIN and function.name in PLUGIN_OPS:
+            function.attribute.append("aot")
+    onnx.save(model, str(path))
+    return marked
+
+
+def check_installed() -> Any:
+    """The tensorrt module, with the v4 plugins registered; TensorRTBuildError (one line) when it cannot be."""
+    try:
+        register_plugins()
+    except TensorRTNotInstalled as e:
+        raise TensorRTBuildError(f"--backend tensorrt: {e}; pass --onnx-only to prepare the graphs without "
+                                 f"building engines (TensorRT {'.'.join(map(str, MIN_TENSORRT))}+ builds them)"
+                                 ) from None
+    import tensorrt
+
+    return tensorrt
+
+
+def build_plan(trt: Any, onnx_path: Path, plan_path: Path, graph_profiles: list[Profile], optimization_level: int,
+               timing_cache: Path) -> dict[str, Any]:
+    """Parse, configure and build one serialized engine (TensorRT's documented Python API)."""
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+    parser = trt.OnnxParser(network, logger)
+    parser.set_flag(trt.OnnxParserFlag.ENABLE_PLUGIN_OVERRIDE)
+    if not parser.parse_from_file(str(onnx_path)):
+        error = parser.get_error(0)
+        raise TensorRTBuildError(f"{onnx_path}: TensorRT's ONNX parser failed at node '{error.node_name()}': "
+                                 f"{error.desc()} ({parser.num_errors} error(s))")
+    config = builder.create_builder_config()
+    config.builder_optimization_level = optimization_level
+    cache = config.create_timing_cache(timing_cache.read_bytes() if timing_cache.is_file() else b"")
+    config.set_timing_cache(cache, ignore_mismatch=False)
+    for profile in graph_profiles:
+        optimization_profile = builder.create_optimization_profile()
+        for name, (lo, opt, hi) in profile.shapes.items():
+            optimization_profile.set_shape(name, lo, opt, hi)
+        config.add_optimization_profile(optimization_profile)
+    started = time.perf_counter()
+    serialized = builder.build_serialized_network(network, config)
+    if serialized is None:
+        raise TensorRTBuildError(f"{onnx_path}: TensorRT could not build an engine (see its log above)")
+    plan_path.write_bytes(bytes(serialized))
+    timing_cache.write_bytes(bytes(config.get_timing_cache().serialize()))
+    return {"plan": plan_path.name, "bytes": plan_path.stat().st_size,
+            "seconds": round(time.perf_counter() - started, 1)}
+
+
+def compile_engine(engine_dir: Path, manifest: EngineManifest, onnx_only: bool = False,
+                   optimization_level: int = DEFAULT_OPTIMIZATION_LEVEL, timing_cache: Path | None = None
+                   ) -> dict[str, Any]:
+    """Prepare every graph, and build its engine unless onnx_only; returns engine.json's `build.compile`."""
+    record: dict[str, Any] = {"profiles": {}, "plugin_nodes": {}, "optimization_level": optimization_level}
+    for graph, entry in manifest.graphs.items():
+        record["plugin_nodes"][graph] = prepare_onnx(engine_dir / entry.file)
+        record["profiles"][graph] = [asdict(p) for p in profiles(manifest, graph)]
+    if onnx_only:
+        record["plans"] = None
+        record["tensorrt"] = "not built (--onnx-only): written to TensorRT's documented API, not run here"
+        return record
+    trt = check_installed()
+    cache = timing_cache or engine_dir / "timing.cache"
+    record["tensorrt"] = trt.__version__
+    record["timing_cache"] = str(cache)
+    record["plans"] = {graph: build_plan(trt, engine_dir / entry.file, engine_dir / f"{graph}.plan",
+                                         profiles(manifest, graph), optimization_level, cache)
+                       for graph, entry in manifest.graphs.items()}
+    return record
+
+
+__all__ = ["prepare_onnx", "check_installed", "build_plan", "compile_engine",
+           "TensorRTBuildError", "DEFAULT_OPTIMIZATION_LEVEL"]

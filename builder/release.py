@@ -1,0 +1,123 @@
+"""DeepSeek-V4 as released, without the bytes: the release configs, and checkpoints of their exact layout whose
+tensor data are holes.
+
+`write_release_checkpoint` writes every tensor of a release (names, safetensors dtypes and shapes as the release
+stores them: BF16, FP8 E4M3 with 128x128 E8M0 block scales, MXFP4 routed experts with one E8M0 scale per 32
+inputs, I64 hash tables, the `mtp.0.*` layer in the last shard) into sharded safetensors files with valid
+headers, each file then extended to its full length with a hole: sparse files that use no disk. The values read
+back are zeros. It is how the builder is run and measured at full size (V4-Flash: 43 layers, 256 experts,
+about 160 GB) on a machine without the weights.
+"""
+from __future__ import annotations
+
+import json
+import math
+import struct
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from v4engine.runtime.config import V4Config
+from v4engine.runtime.errors import ConfigError
+from v4engine.runtime.staging import staged_folder
+
+from .model import Transformer
+from .tiny import shard_groups, stored_form
+
+_FLASH: dict[str, Any] = {
+    "model_type": "deepseek_v4", "architectures": ["DeepseekV4ForCausalLM"], "torch_dtype": "bfloat16",
+    "vocab_size": 129280, "bos_token_id": 0, "eos_token_id": 1, "tie_word_embeddings": False,
+    "hidden_size": 4096, "num_hidden_layers": 43, "num_attention_heads": 64, "num_key_value_heads": 1,
+    "head_dim": 512, "qk_rope_head_dim": 64, "q_lora_rank": 1024, "o_groups": 8, "o_lora_rank": 1024,
+    "sliding_window": 128, "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0], "compress_rope_theta": 160000,
+    "rope_theta": 10000, "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
+                                          "beta_fast": 32, "beta_slow": 1},
+    "max_position_embeddings": 1048576, "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512,
+    "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "rms_norm_eps": 1e-6,
+    "num_hash_layers": 3, "n_routed_experts": 256, "num_experts_per_tok": 6, "n_shared_experts": 1,
+    "moe_intermediate_size": 2048, "scoring_func": "sqrtsoftplus", "topk_method": "noaux_tc", "norm_topk_prob": True,
+    "routed_scaling_factor": 1.5, "swiglu_limit": 10.0, "num_nextn_predict_layers": 1, "hidden_act": "silu",
+    "attention_bias": False, "expert_dtype": "fp4",
+    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "activation_scheme": "dynamic",
+                            "weight_block_size": [128, 128]},
+}
+
+# V4-Pro's sizes are known only from a mirror of its config.json (V4_MODEL.md §1, §6) and its compress_ratios not
+# at all: this takes transformers' default schedule (two HCA layers, then CSA and HCA alternating).
+_PRO = {**_FLASH, "hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 128, "q_lora_rank": 1536,
+        "o_groups": 16, "n_routed_experts": 384, "moe_intermediate_size": 3072, "routed_scaling_factor": 2.5,
+        "compress_ratios": [128, 128] + [4, 128] * 29 + [4, 0]}
+
+RELEASES: dict[str, tuple[dict[str, Any], int, str]] = {
+    "v4-flash": (_FLASH, 46, "DeepSeek-V4-Flash: config.json values and tensor layout as released (V4_MODEL.md §9)"),
+    "v4-pro": (_PRO, 64, "DeepSeek-V4-Pro: sizes from a mirror of its config.json; compress_ratios assumed"),
+}
+
+
+def release_tensors(raw: dict[str, Any]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Every tensor the release stores for this config: name -> (safetensors dtype, shape), in model order."""
+    cfg = V4Config.from_dict(raw)
+    quantize = "mxfp4" if raw.get("expert_dtype") == "fp4" else "fp8" if raw.get("quantization_config") else None
+    float_dtype = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}[raw.get("torch_dtype", "bfloat16")]
+    with torch.device("meta"):
+        state = Transformer(cfg, mtp=True).state_dict()
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for name, value in state.items():
+        shape = tuple(value.shape)
+        form = stored_form(name, value.dtype == torch.int64, quantize)
+        scale = name.removesuffix("weight") + "scale"
+        if form == "as_is":
+            out[name] = ("I64" if value.dtype == torch.int64 else "F32", shape)
+        elif form == "mxfp4":
+            out[name] = ("I8", shape[:-1] + (shape[-1] // 2,))
+            out[scale] = ("F8_E8M0", shape[:-1] + (shape[-1] // 32,))
+        elif form == "fp8":
+            out[name] = ("F8_E4M3", shape)
+            out[scale] = ("F8_E8M0", tuple(-(-d // 128) for d in shape))
+        else:
+            out[name] = (float_dtype, shape)
+    return out
+
+
+_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "I64": 8, "I8": 1, "F8_E4M3": 1, "F8_E8M0": 1}
+
+
+def _write_sparse_safetensors(path: Path, tensors: dict[str, tuple[str, tuple[int, ...]]]) -> int:
+    """A safetensors file with a valid header for `tensors`, its data a hole; returns its size in bytes."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", "content": "no data: a sparse stand-in"}}
+    offset = 0
+    for name, (dtype, shape) in tensors.items():
+        nbytes = math.prod(shape) * _BYTES[dtype]
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % 8)                  # the data start 8-byte aligned, as safetensors writes
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        f.truncate(8 + len(text) + offset)
+    return offset
+
+
+def write_release_checkpoint(out: str | Path, release: str = "v4-flash", shards: int | None = None) -> Path:
+    """Write the release's checkpoint folder (config.json, sharded safetensors + index) with no tensor data."""
+    if release not in RELEASES:
+        raise ConfigError(f"unknown release {release!r}; choose one of {sorted(RELEASES)}")
+    raw, release_shards, _ = RELEASES[release]
+    tensors = release_tensors(raw)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with staged_folder(out, "writing") as tmp:
+        weight_map, total = {}, 0
+        groups = shard_groups(list(tensors), shards or release_shards)
+        for i, group in enumerate(groups):
+            fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+            total += _write_sparse_safetensors(tmp / fname, {k: tensors[k] for k in group})
+            weight_map.update(dict.fromkeys(group, fname))
+        (tmp / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        (tmp / "config.json").write_text(json.dumps(raw, indent=2))
+    return out
+
+
+__all__ = ["RELEASES", "release_tensors", "write_release_checkpoint"]

@@ -1,0 +1,45 @@
+"""Optimization profiles: the input shape ranges a shape-specialized engine (TensorRT) was built for.
+
+The builder decides them from the calls the scheduler makes (builder/backends/tensorrt.py) and records them in
+engine.json, in the engine's own order; the runtime picks, for each call, the tightest profile covering its
+input shapes."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Profile:
+    """(min, opt, max) shape of every dynamic input, for one kind of engine call."""
+
+    name: str
+    shapes: dict[str, tuple[Shape, Shape, Shape]]
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Profile":
+        return cls(d["name"], {n: tuple(tuple(s) for s in r) for n, r in d["shapes"].items()})
+
+    def covers(self, shapes: dict[str, Shape]) -> bool:
+        """Whether every input listed here has a shape inside this profile's [min, max] box."""
+        return all(len(shapes[n]) == len(lo) and all(a <= d <= b for a, d, b in zip(lo, shapes[n], hi))
+                   for n, (lo, _, hi) in self.shapes.items())
+
+    def volume(self) -> int:
+        return sum(math.prod(hi) for _, _, hi in self.shapes.values())
+
+
+def choose_profile(profiles: list[Profile], shapes: dict[str, Shape]) -> int:
+    """Index of the tightest profile covering `shapes`; ValueError naming the call when none does."""
+    covering = [i for i, p in enumerate(profiles) if p.covers(shapes)]
+    if not covering:
+        ranges = "; ".join(f"{p.name}: " + ", ".join(f"{n} {lo}..{hi}" for n, (lo, _, hi) in p.shapes.items()
+                                                         if n in ("input_ids",)) for p in profiles)
+        raise ValueError(f"no optimization profile covers input_ids {shapes.get('input_ids')} ({ranges})")
+    return min(covering, key=lambda i: profiles[i].volume())
+
+
+__all__ = ["Profile", "choose_profile"]

@@ -1,0 +1,69 @@
+"""MIGraphX session over one graph of an engine directory, on an AMD GPU under ROCm.
+
+Two ways to run a MIGraphX engine, chosen by what is installed:
+- the `migraphx` Python module: the programs the build (or compile_migraphx.sh) compiled, one per optimization
+  profile (`{graph}.{profile}.mxr`, listed in engine.json); each call runs the tightest profile's program;
+- ONNX Runtime's MIGraphX execution provider (onnxruntime-migraphx): the MIGraphX variant graph, which ONNX
+  Runtime hands to MIGraphX (nodes MIGraphX cannot take fall back to the CPU).
+Written to MIGraphX's documented Python API; not yet run on ROCm (README, backends).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..engine import EngineManifest
+from ..errors import V4EngineError
+from ..profiles import Profile, choose_profile
+from . import EngineSession
+
+PROVIDER = "MIGraphXExecutionProvider"
+
+
+class MIGraphXUnavailable(V4EngineError):
+    """Neither the migraphx module nor ONNX Runtime's MIGraphX execution provider is installed here."""
+
+
+def _migraphx() -> Any | None:
+    try:
+        import migraphx
+    except ImportError:
+        return None
+    return migraphx
+
+
+class MIGraphXSession(EngineSession):
+    def __init__(self, engine_dir: str | Path, manifest: EngineManifest, graph: str):
+        engine_dir = Path(engine_dir)
+        entry = manifest.graphs[graph]
+        self.inputs, self.outputs = entry.inputs, entry.outputs
+        compiled = manifest.build.get("compile", {})
+        programs = (compiled.get("programs") or {}).get(graph)
+        migraphx = _migraphx()
+        self._programs: list[Any] = []
+        self._onnxruntime = None
+        if migraphx is not None and programs:
+            self._migraphx = migraphx
+            self._profiles = [Profile.from_dict(p) for p in compiled["profiles"][graph]]
+            files = {p["profile"]: p["file"] for p in programs}
+            self._programs = [migraphx.load(str(engine_dir / files[p.name])) for p in self._profiles]
+            return
+        import onnxruntime as ort
+
+        if PROVIDER not in ort.get_available_providers():
+            raise MIGraphXUnavailable(
+                f"{engine_dir} is a MIGraphX engine: install MIGraphX's Python module (and run compile_migraphx.sh "
+                f"there) or onnxruntime-migraphx, on a ROCm machine")
+        from .onnxruntime import OnnxRuntimeSession
+
+        self._onnxruntime = OnnxRuntimeSession(engine_dir, manifest, graph, providers=[PROVIDER, "CPUExecutionProvider"])
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if self._onnxruntime is not None:
+            return self._onnxruntime.run(feeds)
+        program = self._programs[choose_profile(self._profiles, {n: tuple(a.shape) for n, a in feeds.items()})]
+        arguments = {name: self._migraphx.argument(np.ascontiguousarray(array)) for name, array in feeds.items()}
+        results = program.run(arguments)
+        return {spec.name: np.array(result) for spec, result in zip(self.outputs, results)}

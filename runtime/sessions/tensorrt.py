@@ -1,0 +1,99 @@
+"""TensorRT session over one serialized engine of an engine directory (`{graph}.plan`), on an NVIDIA GPU.
+
+Device buffers are torch CUDA tensors. Per call: the inputs are copied to the device, the tightest optimization
+profile covering their shapes is made active (engine.json lists the profiles in the engine's order), each
+input's shape and address are set, the outputs are allocated at the shapes TensorRT infers from the inputs,
+the engine is enqueued on the session's stream, and the outputs come back as numpy arrays (bf16 as float32:
+numpy has no bfloat16). The caches therefore live on the host between calls, as with ONNX Runtime; the
+scheduler's commit-by-length works unchanged.
+
+The engine's plugins run their ahead-of-time kernels (the builder marks every v4 node `aot=1`), so loading needs
+no plugin module; `register_plugins` runs anyway when TensorRT is present, for engines built with JIT plugins.
+Written to TensorRT's documented Python API (10.x/11.x); not yet run against TensorRT (README, backends).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..engine import EngineFormatError, EngineManifest
+from ..errors import V4EngineError
+from ..profiles import Profile, choose_profile
+from . import EngineSession
+
+
+class TensorRTUnavailable(V4EngineError):
+    """The engine needs TensorRT (and a CUDA GPU with torch), which this machine lacks."""
+
+
+def _import_tensorrt() -> tuple[Any, Any]:
+    try:
+        import tensorrt as trt
+        import torch
+    except ImportError as e:
+        raise TensorRTUnavailable(f"this engine runs on TensorRT, which cannot be imported here ({e}); install "
+                                  "tensorrt 10.15+/11.x and a CUDA build of torch on a machine with an NVIDIA GPU"
+                                  ) from None
+    if not torch.cuda.is_available():
+        raise TensorRTUnavailable("this engine runs on TensorRT, but torch sees no CUDA GPU here")
+    from v4engine.plugins.tensorrt import register_plugins
+
+    register_plugins()
+    return trt, torch
+
+
+class TensorRTSession(EngineSession):
+    def __init__(self, engine_dir: str | Path, manifest: EngineManifest, graph: str, device: int = 0):
+        trt, torch = _import_tensorrt()
+        engine_dir = Path(engine_dir)
+        compiled = manifest.build.get("compile", {})
+        plans = compiled.get("plans")
+        if not plans:
+            raise EngineFormatError(f"{engine_dir}: the TensorRT engines were not built (--onnx-only); rebuild with "
+                                    "v4build --backend tensorrt on a machine with TensorRT")
+        self._torch, self._device = torch, torch.device("cuda", device)
+        self._profiles = [Profile.from_dict(p) for p in compiled["profiles"][graph]]
+        self._logger = trt.Logger(trt.Logger.WARNING)
+        self._runtime = trt.Runtime(self._logger)
+        self._engine = self._runtime.deserialize_cuda_engine((engine_dir / plans[graph]["plan"]).read_bytes())
+        if self._engine is None:
+            raise EngineFormatError(f"{engine_dir / plans[graph]['plan']}: TensorRT could not load this engine "
+                                    "(built by another TensorRT version or for another GPU?)")
+        self._context = self._engine.create_execution_context()
+        self._stream = torch.cuda.Stream(self._device)
+        self._active: int | None = None
+        entry = manifest.graphs[graph]
+        self.inputs, self.outputs = entry.inputs, entry.outputs
+
+    def _buffer(self, shape: tuple[int, ...], dtype: str) -> Any:
+        """A device tensor of `shape`; an empty one still gets one element, so its address is never null."""
+        torch = self._torch
+        storage = torch.empty(max(1, int(np.prod(shape))), dtype=getattr(torch, dtype), device=self._device)
+        return storage[: int(np.prod(shape))].view(shape)
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        torch = self._torch
+        index = choose_profile(self._profiles, {n: tuple(a.shape) for n, a in feeds.items()})
+        if index != self._active:
+            self._context.set_optimization_profile_async(index, self._stream.cuda_stream)
+            self._active = index
+        with torch.cuda.stream(self._stream):
+            held = []
+            for spec in self.inputs:
+                array = feeds[spec.name]
+                tensor = self._buffer(array.shape, spec.dtype)
+                tensor.copy_(torch.from_numpy(np.ascontiguousarray(array)))
+                self._context.set_input_shape(spec.name, tuple(array.shape))
+                self._context.set_tensor_address(spec.name, tensor.data_ptr())
+                held.append(tensor)
+            outputs = {}
+            for spec in self.outputs:
+                shape = tuple(self._context.get_tensor_shape(spec.name))
+                outputs[spec.name] = self._buffer(shape, spec.dtype)
+                self._context.set_tensor_address(spec.name, outputs[spec.name].data_ptr())
+            if not self._context.execute_async_v3(self._stream.cuda_stream):
+                raise V4EngineError(f"TensorRT failed to run the engine on input_ids {feeds['input_ids'].shape}")
+            self._stream.synchronize()
+        return {name: (t.float() if t.dtype == torch.bfloat16 else t).cpu().numpy() for name, t in outputs.items()}

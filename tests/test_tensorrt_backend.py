@@ -1,0 +1,307 @@
+"""`v4build --backend tensorrt`, checked as far as a machine without TensorRT allows.
+
+1. `--onnx-only` prepares graphs TensorRT's parser maps onto our plugins: every v4 node asks for its AOT kernel,
+   FP8 weights and MXFP4 experts stay quantized in place behind blocked DequantizeLinear nodes, and engine.json
+   lists the optimization profiles.
+2. The preparation changes no value: the prepared graph run by ONNX Runtime equals the ONNX Runtime engine, and the
+   in-place FP4 experts dequantize (ONNX's reference evaluator) to exactly the checkpoint's values.
+3. The profiles cover every call the scheduler makes, and the tightest one is chosen.
+4. The builder glue drives TensorRT's API as documented (a recording stand-in for the tensorrt module).
+5. Without TensorRT: a full build, or opening a prepared engine, fails with one clear line.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx.reference import ReferenceEvaluator
+
+from v4engine.builder.backends.profiles import profiles
+from v4engine.builder.backends.tensorrt import build_plan
+from v4engine.builder.build import BuildOptions, build
+from v4engine.builder.checkpoint import Checkpoint
+from v4engine.plugins import DOMAIN, PLUGIN_OPS
+from v4engine.runtime.generator import Generator
+from v4engine.runtime.sampling import SamplingParams
+from v4engine.runtime.engine import EngineManifest
+from v4engine.runtime.profiles import Profile, choose_profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+import gpu_check  # noqa: E402
+
+pytestmark = pytest.mark.xdist_group("tensorrt_backend")
+
+
+@pytest.fixture(scope="module")
+def prepared(tiny_checkpoint, tmp_path_factory):
+    """quantize -> (checkpoint, TensorRT engine folder prepared with --onnx-only), built once each."""
+    made = {}
+
+    def make(quantize: str) -> tuple[Path, Path]:
+        if quantize not in made:
+            checkpoint = tiny_checkpoint("flash_like", quantize=quantize)
+            out = tmp_path_factory.mktemp("trt") / quantize
+            build(BuildOptions(checkpoint=checkpoint, output=out, mtp=2, backend="tensorrt", onnx_only=True,
+                               max_batch=4, max_seq_len=256, max_prefill_chunk=16, progress=False))
+            made[quantize] = (checkpoint, out)
+        return made[quantize]
+
+    return make
+
+
+def nodes_and_initializers(path: Path) -> tuple[list[onnx.NodeProto], dict[str, onnx.TensorProto], onnx.ModelProto]:
+    model = onnx.load(str(path), load_external_data=False)
+    return list(model.graph.node), {t.name: t for t in model.graph.initializer}, model
+
+
+def attrs(node: onnx.NodeProto) -> dict:
+    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+
+def test_every_plugin_node_asks_for_its_aot_kernel(prepared):
+    _, engine = prepared("fp8")
+    manifest = EngineManifest.read(engine)
+    for graph in ("target", "draft"):
+        nodes, _, model = nodes_and_initializers(engine / f"{graph}.onnx")
+        plugin = [n for n in nodes if n.domain == DOMAIN and n.op_type in PLUGIN_OPS]
+        assert plugin, f"{graph} has v4 op nodes"
+        for node in plugin:
+            a = attrs(node)
+            assert (a["aot"], a["plugin_namespace"], a["plugin_version"]) == (1, b"v4", b"1"), node.name
+        declared = {f.name: list(f.attribute) for f in model.functions if f.domain == DOMAIN}
+        assert all("aot" in declared[op] for op in {n.op_type for n in plugin})
+        assert manifest.build["compile"]["plugin_nodes"][graph] == len(plugin)
+    assert not list(engine.glob("*.plan")) and manifest.build["compile"]["plans"] is None
+
+
+def test_fp8_weights_stay_fp8_in_place_behind_blocked_dequantize(prepared):
+    checkpoint, engine = prepared("fp8")
+    ckpt = Checkpoint.open(checkpoint)
+    nodes, inits, _ = nodes_and_initializers(engine / "target.onnx")
+    q = inits["model.layers.2.attn.wq_b.weight.fp8"]
+    assert q.data_type == onnx.TensorProto.FLOAT8E4M3FN
+    ref = {e.key: e.value for e in q.external_data}
+    info = ckpt.info("layers.2.attn.wq_b.weight")
+    assert (ref["location"], int(ref["offset"]), int(ref["length"])) == (f"weights/{info.file.name}", info.offset,
+                                                                         info.nbytes)
+    dq = next(n for n in nodes if n.input[:1] == [q.name])
+    assert dq.op_type == "DequantizeLinear" and attrs(dq) == {"axis": 1, "block_size": 128}
+    experts = [n for n in nodes if n.op_type == "Concat" and n.output[0] == "model.layers.3.ffn.routed.w1"]
+    assert len(experts) == 1 and len(experts[0].input) == 8, "the 8 experts' own tensors, joined"
+
+
+def test_mxfp4_experts_stay_fp4_in_place(prepared):
+    checkpoint, engine = prepared("mxfp4")
+    ckpt = Checkpoint.open(checkpoint)
+    manifest = EngineManifest.read(engine)
+    nodes, inits, _ = nodes_and_initializers(engine / "target.onnx")
+    fp4 = inits["model.layers.3.ffn.routed.w2.5.fp4"]
+    info = ckpt.info("layers.3.ffn.experts.5.w2.weight")
+    assert fp4.data_type == onnx.TensorProto.FLOAT4E2M1 and list(fp4.dims) == [1, *ckpt.logical_shape(info.name)]
+    ref = {e.key: e.value for e in fp4.external_data}
+    assert (int(ref["offset"]), int(ref["length"])) == (info.offset, info.nbytes), "the packed bytes, in place"
+    scale = {e.key: e.value for e in inits["model.layers.3.ffn.routed.w2.5.scale.e8m0"].external_data}
+    assert int(scale["offset"]) == info.scale.offset, "E8M0 scales in place too"
+    dq = next(n for n in nodes if n.input[:1] == [fp4.name])
+    assert attrs(dq) == {"axis": 2, "block_size": 32}
+    assert manifest.build["weights"]["converted"] == 0 and manifest.build["weights"]["fp4 in place + dequantize"]
+    assert "kept MXFP4 in place" in manifest.experts
+
+
+def with_data(tensor: onnx.TensorProto, engine: Path) -> onnx.TensorProto:
+    """The initializer with its external bytes read in (onnx.load refuses our hard-linked weight files)."""
+    if tensor.data_location != onnx.TensorProto.EXTERNAL:
+        return tensor
+    ref = {e.key: e.value for e in tensor.external_data}
+    with open(engine / ref["location"], "rb") as f:
+        f.seek(int(ref["offset"]))
+        data = f.read(int(ref["length"]))
+    loaded = onnx.TensorProto()
+    loaded.CopyFrom(tensor)
+    del loaded.external_data[:]
+    loaded.data_location, loaded.raw_data = onnx.TensorProto.DEFAULT, data
+    return loaded
+
+
+def test_fp4_in_place_dequantizes_to_the_checkpoint_values(prepared):
+    """ONNX's reference evaluator runs the graph's own weight nodes for one stacked expert weight."""
+    checkpoint, engine = prepared("mxfp4")
+    ckpt = Checkpoint.open(checkpoint)
+    model = onnx.load(str(engine / "target.onnx"), load_external_data=False)
+    wanted, producers = "model.layers.3.ffn.routed.w1", {o: n for n in model.graph.node for o in n.output}
+    needed, frontier = [], [wanted]
+    while frontier:
+        node = producers.get(frontier.pop())
+        if node is not None and node not in needed:
+            needed.append(node)
+            frontier += list(node.input)
+    names = {i for n in needed for i in n.input}
+    weights = [with_data(t, engine) for t in model.graph.initializer if t.name in names]
+    graph = onnx.helper.make_graph(needed[::-1], "weights", [], [onnx.helper.make_tensor_value_info(
+        wanted, onnx.TensorProto.FLOAT, None)], weights)
+    sub = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 23)])
+    (stacked,) = ReferenceEvaluator(sub).run(None, {})
+    expected = torch.stack([ckpt.load(f"layers.3.ffn.experts.{e}.w1.weight") for e in range(8)]).numpy()
+    np.testing.assert_array_equal(stacked, expected)
+
+
+def test_prepared_graphs_compute_what_the_onnxruntime_engine_computes(prepared, tmp_path):
+    """The comparison gpu_check.py (d) makes for TensorRT engines, with ONNX Runtime running the prepared graphs."""
+    from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
+
+    checkpoint, engine = prepared("fp8")
+    reference = tmp_path / "ort"
+    build(BuildOptions(checkpoint=checkpoint, output=reference, mtp=2, max_batch=4, max_seq_len=256, progress=False))
+    same, verdict = gpu_check.compare_with_onnxruntime(
+        EngineManifest.read(engine), reference,
+        lambda graph: OnnxrtRunner(SessionFromOnnx(str(engine / f"{graph}.onnx"))), atol=1e-5)
+    assert same, verdict
+    assert verdict.startswith("target matches, draft matches")
+
+
+class RecordingSession:
+    """An engine session that records the input shapes of every call."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+        self.inputs, self.outputs = inner.inputs, inner.outputs
+
+    def run(self, feeds):
+        self.calls.append({n: tuple(a.shape) for n, a in feeds.items()})
+        return self.inner.run(feeds)
+
+
+def test_profiles_cover_every_call_the_scheduler_makes(tiny_engine):
+    _, engine = tiny_engine("flash_like", mtp=3)
+    generator = Generator.from_engine_dir(engine, mtp=3, max_batch=3, max_prefill_chunk=5)
+    manifest = generator.manifest
+    manifest.build.update(max_batch=3, max_prefill_chunk=5)       # as the engine would have been built
+    scheduler = generator.scheduler
+    scheduler.target_session = target = RecordingSession(scheduler.target_session)
+    scheduler.draft_session = draft = RecordingSession(scheduler.draft_session)
+    prompts = [[3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [5, 6], [7, 8, 9, 10, 11, 12, 13]]
+    generator.generate(prompts, SamplingParams(max_new_tokens=12, ignore_eos=True))
+    for graph, session, kinds in (("target", target, {"prefill", "verify"}), ("draft", draft, {"extend", "step"})):
+        graph_profiles = profiles(manifest, graph)
+        assert {p.name for p in graph_profiles} == kinds
+        used = set()
+        for call in session.calls:
+            used.add(graph_profiles[choose_profile(graph_profiles, call)].name)
+        assert used == kinds, f"{graph}: every profile is the tightest for some call"
+
+
+def test_no_profile_covers_a_call_beyond_the_build_limits():
+    profile = Profile("verify", {"input_ids": ((1, 1), (1, 4), (8, 4))})
+    assert choose_profile([profile], {"input_ids": (2, 3)}) == 0
+    with pytest.raises(ValueError, match=r"input_ids \(2, 5\)"):
+        choose_profile([profile], {"input_ids": (2, 5)})
+
+
+class FakeTensorRT:
+    """Records what the builder asks of TensorRT's Python API (the names of tensorrt 10.x/11.x)."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+        fake = self
+
+        class Config:
+            builder_optimization_level = None
+
+            def create_timing_cache(self, data):
+                fake.calls.append(("create_timing_cache", bytes(data)))
+                return SimpleNamespace(serialize=lambda: b"cache:" + bytes(data))
+
+            def set_timing_cache(self, cache, ignore_mismatch):
+                self.cache = cache
+
+            def get_timing_cache(self):
+                return self.cache
+
+            def add_optimization_profile(self, profile):
+                fake.calls.append(("profile", dict(profile.shapes)))
+
+        class OptimizationProfile:
+            def __init__(self):
+                self.shapes = {}
+
+            def set_shape(self, name, lo, opt, hi):
+                self.shapes[name] = (lo, opt, hi)
+
+        class Builder:
+            def __init__(self, logger):
+                pass
+
+            def create_network(self, flags):
+                fake.calls.append(("network", flags))
+                return "network"
+
+            def create_builder_config(self):
+                fake.config = Config()
+                return fake.config
+
+            def create_optimization_profile(self):
+                return OptimizationProfile()
+
+            def build_serialized_network(self, network, config):
+                fake.calls.append(("build", config.builder_optimization_level))
+                return b"plan-bytes"
+
+        class Parser:
+            def __init__(self, network, logger):
+                self.num_errors = 0
+
+            def set_flag(self, flag):
+                fake.calls.append(("parser_flag", flag))
+
+            def parse_from_file(self, path):
+                fake.calls.append(("parse", Path(path).name))
+                return True
+
+        self.Logger = type("Logger", (), {"WARNING": 2, "__init__": lambda self, level: None})
+        self.Builder, self.OnnxParser = Builder, Parser
+        self.NetworkDefinitionCreationFlag = SimpleNamespace(STRONGLY_TYPED=2)
+        self.OnnxParserFlag = SimpleNamespace(ENABLE_PLUGIN_OVERRIDE="ENABLE_PLUGIN_OVERRIDE")
+
+
+def test_engine_build_sets_every_profile_flag_and_the_timing_cache(prepared, tmp_path):
+    _, engine = prepared("fp8")
+    manifest = EngineManifest.read(engine)
+    trt = FakeTensorRT()
+    cache = tmp_path / "timing.cache"
+    cache.write_bytes(b"old")
+    graph_profiles = profiles(manifest, "draft")
+    result = build_plan(trt, engine / "draft.onnx", tmp_path / "draft.plan", graph_profiles, 2, cache)
+    assert ("network", 1 << 2) in trt.calls, "a strongly typed network"
+    assert ("parser_flag", "ENABLE_PLUGIN_OVERRIDE") in trt.calls and ("parse", "draft.onnx") in trt.calls
+    assert ("create_timing_cache", b"old") in trt.calls and cache.read_bytes() == b"cache:old"
+    set_profiles = [c[1] for c in trt.calls if c[0] == "profile"]
+    assert set_profiles == [p.shapes for p in graph_profiles]
+    dynamic = {s.name for s in manifest.graphs["draft"].inputs if not all(isinstance(d, int) for d in s.shape)}
+    assert all(set(p) == dynamic for p in set_profiles), "every dynamic input, in every profile"
+    assert ("build", 2) in trt.calls and (tmp_path / "draft.plan").read_bytes() == b"plan-bytes"
+    assert result["plan"] == "draft.plan"
+
+
+def test_without_tensorrt_a_full_build_fails_at_once(tiny_checkpoint, tmp_path):
+    checkpoint = tiny_checkpoint("mixed")
+    result = subprocess.run([sys.executable, "-m", "v4engine.builder.cli", "--checkpoint", str(checkpoint),
+                             "--backend", "tensorrt", "--output", str(tmp_path / "e")], capture_output=True, text=True)
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "TensorRT is not installed" in lines[0] and "--onnx-only" in lines[0], result.stderr
+    assert not (tmp_path / "e").exists() and not list(tmp_path.iterdir())
+
+
+def test_a_prepared_engine_does_not_open_without_tensorrt(prepared):
+    _, engine = prepared("fp8")
+    with pytest.raises(Exception, match="TensorRT") as failure:
+        Generator.from_engine_dir(engine)
+    assert "\n" not in str(failure.value)
+    assert json.loads((engine / "engine.json").read_text())["backend"] == "tensorrt"

@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "default 3)")
     p.add_argument("--timing-cache", type=Path, default=None, help="tensorrt: timing cache file, read if it exists "
                    "and written after the build, so that rebuilds skip tactic timing (default: timing.cache in "
-                   "the engine directory)")
+                   "the engine directory, seeded from the one a --force rebuild replaces)")
     p.add_argument("--force", action="store_true", help="replace OUTPUT if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(run=_build)

@@ -200,7 +200,9 @@ class _Attacher:
         self._cast(dq_out, out, data_type, treatment)
 
     def _e8m0_scale(self, out: str, info: TensorInfo, shape: tuple[int, ...]) -> str:
-        """2^(e-127) computed in the graph from the stored E8M0 bytes (in place): opset 23 has no E8M0 scales."""
+        """2^(e-127) computed in the graph from the stored E8M0 bytes (in place): opset 23 has no E8M0 scales.
+        Exact for every exponent a weight uses; the codes' edges differ from Checkpoint.load (e = 255, E8M0's NaN,
+        gives inf here; e = 0 gives the subnormal 2^-127, which hardware that flushes subnormals reads as 0)."""
         if not self._e8m0_constants:
             self.initializers += [numpy_helper.from_array(np.array(2.0, np.float32), "v4.two"),
                                   numpy_helper.from_array(np.array(127.0, np.float32), "v4.e8m0_bias")]

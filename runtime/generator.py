@@ -42,6 +42,9 @@ class GenerationResult:
     metrics: dict
 
 
+SHAPE_SPECIALIZED = ("tensorrt", "migraphx")       # engines built for shapes up to engine.json's limits
+
+
 class Generator:
     def __init__(self, engine_dir: Path, manifest: EngineManifest, scheduler: Scheduler, tokenizer=None):
         self.engine_dir, self.manifest, self.scheduler, self.tokenizer = engine_dir, manifest, scheduler, tokenizer
@@ -49,18 +52,28 @@ class Generator:
 
     @classmethod
     def from_engine_dir(cls, path: str | Path, backend: str | None = None, mtp: int | None = None,
-                        max_batch: int = 8, max_seq_len: int | None = None, max_cache_bytes: int | None = None,
+                        max_batch: int | None = None, max_seq_len: int | None = None,
+                        max_cache_bytes: int | None = None,
                         max_prefill_chunk: int | None = None, threads: int | None = None,
                         providers: list[str] | None = None) -> "Generator":
         """Open an engine directory. mtp (<= the engine's k, 0 disables drafting) defaults to the engine's.
 
         providers: ONNX Runtime execution providers, e.g. ["CUDAExecutionProvider", "CPUExecutionProvider"] with
-        onnxruntime-gpu installed (default: the CPU). max_prefill_chunk: prompt tokens per engine call (default: the
-        engine's; a TensorRT engine's profiles end there)."""
+        onnxruntime-gpu installed (default: the CPU). max_batch and max_prefill_chunk (prompt tokens per engine
+        call) default to the engine's; TensorRT and MIGraphX engines were built for shapes up to those, so larger
+        values are refused here rather than in the middle of a generation."""
         path = Path(path)
         manifest = EngineManifest.read(path)
         if backend is not None and backend != manifest.backend:
             raise RequestError(f"{path} is a {manifest.backend} engine; it cannot run on backend {backend!r}")
+        built = {"max_batch": manifest.build.get("max_batch", 8), "max_prefill_chunk":
+                 manifest.build.get("max_prefill_chunk", 512)}
+        max_batch, max_prefill_chunk = max_batch or built["max_batch"], max_prefill_chunk or built["max_prefill_chunk"]
+        if manifest.backend in SHAPE_SPECIALIZED:
+            for name, value in (("max_batch", max_batch), ("max_prefill_chunk", max_prefill_chunk)):
+                if value > built[name]:
+                    raise RequestError(f"{path}: {name} {value} exceeds the {built[name]} this {manifest.backend} "
+                                       "engine was built for (rebuild with a larger one)")
         mtp = manifest.mtp if mtp is None else mtp
         if not 0 <= mtp <= manifest.mtp:
             raise RequestError(f"mtp must be between 0 and the engine's {manifest.mtp} (got {mtp})")
@@ -71,8 +84,7 @@ class Generator:
         draft = open_session(path, manifest, "draft", **options) if mtp else None
         scheduler = Scheduler(manifest, target, draft, mtp, max_batch=max_batch,
                               max_seq_len=max_seq_len or manifest.build.get("max_seq_len", 4096),
-                              max_cache_bytes=max_cache_bytes,
-                              max_prefill_chunk=max_prefill_chunk or manifest.build.get("max_prefill_chunk", 512))
+                              max_cache_bytes=max_cache_bytes, max_prefill_chunk=max_prefill_chunk)
         return cls(path, manifest, scheduler, load_tokenizer(path))
 
     # ------------------------------------------------------------------ prompts and text

@@ -1,6 +1,6 @@
 """Optimization profiles: the input shape ranges a shape-specialized engine (TensorRT) was built for.
 
-The builder decides them from the calls the scheduler makes (builder/backends/tensorrt.py) and records them in
+The builder decides them from the calls the scheduler makes (builder/backends/profiles.py) and records them in
 engine.json, in the engine's own order; the runtime picks, for each call, the tightest profile covering its
 input shapes."""
 from __future__ import annotations
@@ -9,7 +9,13 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from .errors import V4EngineError
+
 Shape = tuple[int, ...]
+
+
+class ProfileError(V4EngineError):
+    """A call's shapes lie outside every optimization profile the engine was built with."""
 
 
 @dataclass(frozen=True)
@@ -33,13 +39,13 @@ class Profile:
 
 
 def choose_profile(profiles: list[Profile], shapes: dict[str, Shape]) -> int:
-    """Index of the tightest profile covering `shapes`; ValueError naming the call when none does."""
+    """Index of the tightest profile covering `shapes`; ProfileError naming the call when none does."""
     covering = [i for i, p in enumerate(profiles) if p.covers(shapes)]
     if not covering:
         ranges = "; ".join(f"{p.name}: " + ", ".join(f"{n} {lo}..{hi}" for n, (lo, _, hi) in p.shapes.items()
                                                          if n in ("input_ids",)) for p in profiles)
-        raise ValueError(f"no optimization profile covers input_ids {shapes.get('input_ids')} ({ranges})")
+        raise ProfileError(f"no optimization profile covers input_ids {shapes.get('input_ids')} ({ranges})")
     return min(covering, key=lambda i: profiles[i].volume())
 
 
-__all__ = ["Profile", "choose_profile"]
+__all__ = ["Profile", "ProfileError", "choose_profile"]

@@ -37,9 +37,9 @@ tests/test_gpu_check.py does on the CPU.
     once (q, the window keys and positions, all R rows for HCA, the indexer's R keys, the compressors' buffer)
     except CSA's rows, of which only the k picked rows per query count; every output written once. GB/s =
     those bytes / kernel time, as a share of the H200's 4.8 TB/s and of a measured 2 GiB device copy.
-(d) TensorRT: when importable, `v4build --backend tensorrt` builds a tiny FP8 checkpoint's engines (our plugins,
-    AOT kernels) and polygraphy compares each graph with the ONNX Runtime engine on a first call (fp32, atol
-    1e-3); otherwise the check says it is skipped.
+(d) TensorRT: when importable, `v4build --backend tensorrt` builds tiny FP8 and MXFP4 checkpoints' engines (our
+    plugins, AOT kernels, FP8/FP4 weights in place) and polygraphy compares each graph with the ONNX Runtime
+    engine on a first call (fp32, atol 1e-3); otherwise the check says it is skipped.
 
 Output: a table on stdout; under --out, rows.jsonl (written as rows complete, so a timeout keeps them),
 gpu_check.json (environment, rows, notes), gpu_check.md (the same table) and aot_compile.json (registers, spills
@@ -619,7 +619,7 @@ def timing_row(row: Row, op: str, z: SimpleNamespace, B: int, runs: int, ptx: Pt
 
 
 # --------------------------------------------------------------------------- (d) TensorRT
-TENSORRT_ATOL = 1e-3          # fp32 engines; TensorRT may pick TF32-free but reordered GEMM tactics
+TENSORRT_ATOL = 1e-3          # fp32 engines (built without TF32); TensorRT's GEMM tactics reorder sums
 
 
 def first_call_feeds(manifest: Any, graph: str, batch: int, seq: int) -> dict[str, np.ndarray]:
@@ -655,22 +655,27 @@ def compare_with_onnxruntime(manifest: Any, reference: Path, runner: Callable[[s
 
 
 def build_tiny_engines_and_compare_with_onnxruntime(work: Path) -> tuple[bool, str]:
-    """Build a tiny FP8 checkpoint's engines with TensorRT (our plugins, AOT kernels) and with ONNX Runtime, and
-    compare them (compare_with_onnxruntime)."""
+    """Build a tiny FP8 and a tiny MXFP4 checkpoint's engines with TensorRT (our plugins, AOT kernels; FP8 and FP4
+    weights in place) and with ONNX Runtime, and compare them (compare_with_onnxruntime, prefill profile)."""
     from polygraphy.backend.trt import EngineFromBytes, TrtRunner
 
     from v4engine.builder.build import BuildOptions, build
     from v4engine.builder.tiny import make_tiny
 
-    checkpoint = make_tiny(work / "checkpoint", config="flash_like", quantize="fp8")
-    common = dict(checkpoint=checkpoint, mtp=2, max_batch=4, max_seq_len=256, max_prefill_chunk=16, force=True,
-                  progress=False)
-    manifest = build(BuildOptions(output=work / "tensorrt", backend="tensorrt", **common))
-    build(BuildOptions(output=work / "onnxruntime", **common))
-    return compare_with_onnxruntime(
-        manifest, work / "onnxruntime", lambda graph: TrtRunner(
-            EngineFromBytes((work / "tensorrt" / f"{graph}.plan").read_bytes()), optimization_profile=0),
-        TENSORRT_ATOL)
+    verdicts, ok = [], True
+    for quantize in ("fp8", "mxfp4"):
+        checkpoint = make_tiny(work / quantize / "checkpoint", config="flash_like", quantize=quantize)
+        common = dict(checkpoint=checkpoint, mtp=2, max_batch=4, max_seq_len=256, max_prefill_chunk=16,
+                      force=True, progress=False)
+        engine = work / quantize / "tensorrt"
+        manifest = build(BuildOptions(output=engine, backend="tensorrt", **common))
+        build(BuildOptions(output=work / quantize / "onnxruntime", **common))
+        same, verdict = compare_with_onnxruntime(
+            manifest, work / quantize / "onnxruntime", lambda graph: TrtRunner(
+                EngineFromBytes((engine / f"{graph}.plan").read_bytes()), optimization_profile=0), TENSORRT_ATOL)
+        ok &= same
+        verdicts.append(f"{quantize}: {verdict}")
+    return ok, "; ".join(verdicts)
 
 
 def check_tensorrt(report: Report, work: Path) -> None:

@@ -24,14 +24,15 @@ import torch
 from onnx.reference import ReferenceEvaluator
 
 from v4engine.builder.backends.profiles import profiles
-from v4engine.builder.backends.tensorrt import build_plan
+from v4engine.builder.backends.tensorrt import build_plan, prepare_onnx
 from v4engine.builder.build import BuildOptions, build
 from v4engine.builder.checkpoint import Checkpoint
 from v4engine.plugins import DOMAIN, PLUGIN_OPS
+from v4engine.runtime.sampling import RequestError
 from v4engine.runtime.generator import Generator
 from v4engine.runtime.sampling import SamplingParams
 from v4engine.runtime.engine import EngineManifest
-from v4engine.runtime.profiles import Profile, choose_profile
+from v4engine.runtime.profiles import Profile, ProfileError, choose_profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import gpu_check  # noqa: E402
@@ -200,7 +201,7 @@ def test_profiles_cover_every_call_the_scheduler_makes(tiny_engine):
 def test_no_profile_covers_a_call_beyond_the_build_limits():
     profile = Profile("verify", {"input_ids": ((1, 1), (1, 4), (8, 4))})
     assert choose_profile([profile], {"input_ids": (2, 3)}) == 0
-    with pytest.raises(ValueError, match=r"input_ids \(2, 5\)"):
+    with pytest.raises(ProfileError, match=r"input_ids \(2, 5\)"):
         choose_profile([profile], {"input_ids": (2, 5)})
 
 
@@ -213,6 +214,9 @@ class FakeTensorRT:
 
         class Config:
             builder_optimization_level = None
+
+            def clear_flag(self, flag):
+                fake.calls.append(("clear_flag", flag))
 
             def create_timing_cache(self, data):
                 fake.calls.append(("create_timing_cache", bytes(data)))
@@ -268,19 +272,27 @@ class FakeTensorRT:
         self.Builder, self.OnnxParser = Builder, Parser
         self.NetworkDefinitionCreationFlag = SimpleNamespace(STRONGLY_TYPED=2)
         self.OnnxParserFlag = SimpleNamespace(ENABLE_PLUGIN_OVERRIDE="ENABLE_PLUGIN_OVERRIDE")
+        self.BuilderFlag = SimpleNamespace(TF32="TF32")
 
 
 def test_engine_build_sets_every_profile_flag_and_the_timing_cache(prepared, tmp_path):
+    """Also: preparing a graph twice changes nothing (a rebuild of a prepared folder)."""
     _, engine = prepared("fp8")
     manifest = EngineManifest.read(engine)
+    before = (engine / "draft.onnx").read_bytes()
+    assert prepare_onnx(engine / "draft.onnx") == manifest.build["compile"]["plugin_nodes"]["draft"]
+    assert (engine / "draft.onnx").read_bytes() == before
     trt = FakeTensorRT()
+    replaced = tmp_path / "timing.replaced"
+    replaced.write_bytes(b"old")
     cache = tmp_path / "timing.cache"
-    cache.write_bytes(b"old")
     graph_profiles = profiles(manifest, "draft")
-    result = build_plan(trt, engine / "draft.onnx", tmp_path / "draft.plan", graph_profiles, 2, cache)
+    result = build_plan(trt, engine / "draft.onnx", tmp_path / "draft.plan", graph_profiles, 2, cache,
+                        seed_cache=replaced, fp32=True)
     assert ("network", 1 << 2) in trt.calls, "a strongly typed network"
     assert ("parser_flag", "ENABLE_PLUGIN_OVERRIDE") in trt.calls and ("parse", "draft.onnx") in trt.calls
-    assert ("create_timing_cache", b"old") in trt.calls and cache.read_bytes() == b"cache:old"
+    assert ("create_timing_cache", b"old") in trt.calls and cache.read_bytes() == b"cache:old", "seeded, written"
+    assert ("clear_flag", "TF32") in trt.calls, "fp32 engines stay fp32"
     set_profiles = [c[1] for c in trt.calls if c[0] == "profile"]
     assert set_profiles == [p.shapes for p in graph_profiles]
     dynamic = {s.name for s in manifest.graphs["draft"].inputs if not all(isinstance(d, int) for d in s.shape)}
@@ -297,6 +309,13 @@ def test_without_tensorrt_a_full_build_fails_at_once(tiny_checkpoint, tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "TensorRT is not installed" in lines[0] and "--onnx-only" in lines[0], result.stderr
     assert not (tmp_path / "e").exists() and not list(tmp_path.iterdir())
+
+
+def test_the_runtime_refuses_batches_and_chunks_beyond_the_profiles(prepared):
+    _, engine = prepared("fp8")
+    for option, value in (("max_batch", 5), ("max_prefill_chunk", 17)):
+        with pytest.raises(RequestError, match=f"{option} {value} exceeds the {value - 1} this tensorrt engine"):
+            Generator.from_engine_dir(engine, **{option: value})
 
 
 def test_a_prepared_engine_does_not_open_without_tensorrt(prepared):

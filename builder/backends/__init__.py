@@ -35,7 +35,7 @@ def compile_engine(engine_dir: Path, manifest: EngineManifest, options: Any) -> 
 
         return compile_tensorrt(engine_dir, manifest, onnx_only=options.onnx_only,
                                 optimization_level=options.builder_optimization_level,
-                                timing_cache=options.timing_cache)
+                                timing_cache=options.timing_cache, replaced=options.output)
     if manifest.backend == "migraphx":
         from .migraphx import compile_engine as compile_migraphx
 

@@ -51,18 +51,19 @@ def split_sequences(graph: onnx.GraphProto) -> int:
     nodes = list(graph.node)
     constants = {n.output[0]: onnx.numpy_helper.to_array(n.attribute[0].t) for n in nodes
                  if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"}
-    readers: dict[str, list[int]] = {}
+    readers: dict[str, list[int]] = {}                     # value -> the nodes that read it
     for i, node in enumerate(nodes):
-        if node.op_type == "SequenceAt":
-            readers.setdefault(node.input[0], []).append(i)
+        for value in node.input:
+            readers.setdefault(value, []).append(i)
+    outputs = {o.name for o in graph.output}
     replaced: dict[int, onnx.NodeProto] = {}
     for i, node in enumerate(nodes):
         if node.op_type != "SplitToSequence" or len(node.input) < 2 or node.input[1] not in constants:
             continue
         sizes = constants[node.input[1]]
         users = readers.get(node.output[0], [])
-        keepdims = next((a.i for a in node.attribute if a.name == "keepdims"), 1)
-        if sizes.ndim != 1 or keepdims != 1 or not all(nodes[u].input[1] in constants for u in users):
+        if sizes.ndim != 1 or node.output[0] in outputs or not all(      # only constant-position SequenceAt reads
+                nodes[u].op_type == "SequenceAt" and nodes[u].input[1] in constants for u in users):
             continue
         axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
         parts = [f"{node.output[0]}.{k}" for k in range(len(sizes))]

@@ -2,6 +2,7 @@
 runtime makes, decided from engine.json's build limits and recorded there, in the order the engine holds them."""
 from __future__ import annotations
 
+from v4engine.runtime.config import CSA, HCA
 from v4engine.runtime.engine import EngineManifest, TensorSpec
 from v4engine.runtime.profiles import Profile
 
@@ -11,18 +12,18 @@ def profiles(manifest: EngineManifest, graph: str) -> list[Profile]:
 
     target: `prefill` (chunks of up to max_prefill_chunk tokens, verify rows riding along) and `verify`
     (k+1 tokens per row: every decode step). draft: `extend` (the newly committed tokens, in chunks) and
-    `step` (one token per row: the recursive draft steps). Batch 1..max_batch; cached rows of the compressed
-    layers 0..max_seq_len/ratio + 1."""
+    `step` (one token per row: the recursive draft steps). Batch 1..max_batch; cached rows of each compressed
+    kind 0..max_seq_len/ratio + 1 (its own ratio: HCA's rows are a 32nd of CSA's at V4's 4 and 128)."""
     build = manifest.build
     max_batch, chunk, max_seq = build["max_batch"], build["max_prefill_chunk"], build["max_seq_len"]
     cfg = manifest.model
-    max_rows = max_seq // min(cfg.compress_rates.values()) + 1
+    rows = {kind: max_seq // cfg.compress_rates[layer_kind] + 1 for kind, layer_kind in (("rows_csa", CSA),
+                                                                                        ("rows_hca", HCA))}
     if graph == "target":
         kinds = {"prefill": (1, chunk, chunk), "verify": (1, manifest.mtp + 1, manifest.mtp + 1)}
     else:
         kinds = {"extend": (1, chunk, chunk), "step": (1, 1, 1)}
-    dims = {"batch": (1, 1, max_batch), "rows_csa": (0, max_rows // 2, max_rows),
-            "rows_hca": (0, max_rows // 2, max_rows)}
+    dims = {"batch": (1, 1, max_batch)} | {kind: (0, n // 2, n) for kind, n in rows.items()}
     out = []
     for name, seq in kinds.items():
         ranges = dims | {"seq": seq}

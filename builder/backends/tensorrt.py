@@ -33,6 +33,7 @@ from v4engine.runtime.profiles import Profile
 from .profiles import profiles
 
 DEFAULT_OPTIMIZATION_LEVEL = 3
+TIMING_CACHE = "timing.cache"
 
 
 class TensorRTBuildError(V4EngineError):
@@ -45,10 +46,12 @@ def prepare_onnx(path: Path) -> int:
     marked = 0
     for node in model.graph.node:
         if node.domain == DOMAIN and node.op_type in PLUGIN_OPS:
-            node.attribute.append(onnx.helper.make_attribute("aot", 1))
+            kept = [a for a in node.attribute if a.name != "aot"]       # idempotent
+            del node.attribute[:]
+            node.attribute.extend(kept + [onnx.helper.make_attribute("aot", 1)])
             marked += 1
     for function in model.functions:      # declared on the ops' definitions, as plugin_namespace is
-        if function.domain == DOMAIN and function.name in PLUGIN_OPS:
+        if function.domain == DOMAIN and function.name in PLUGIN_OPS and "aot" not in function.attribute:
             function.attribute.append("aot")
     onnx.save(model, str(path))
     return marked
@@ -68,12 +71,17 @@ def check_installed() -> Any:
 
 
 def build_plan(trt: Any, onnx_path: Path, plan_path: Path, graph_profiles: list[Profile], optimization_level: int,
-               timing_cache: Path) -> dict[str, Any]:
-    """Parse, configure and build one serialized engine (TensorRT's documented Python API)."""
+               timing_cache: Path, seed_cache: Path | None = None, fp32: bool = False) -> dict[str, Any]:
+    """Parse, configure and build one serialized engine (TensorRT's documented Python API).
+
+    The timing cache is read from `timing_cache`, else from `seed_cache` (the engine being replaced), and written
+    to `timing_cache`. fp32 engines build without TF32 (on by default in TensorRT), so they stay exact to fp32."""
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
     network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
     parser = trt.OnnxParser(network, logger)
+    # plugin_namespace on our nodes already makes the parser prefer the v4 plugins; the flag (10.15+) says so for
+    # every node. No standard op of our graphs shares a name with a registered plugin, so nothing else changes.
     parser.set_flag(trt.OnnxParserFlag.ENABLE_PLUGIN_OVERRIDE)
     if not parser.parse_from_file(str(onnx_path)):
         error = parser.get_error(0)
@@ -81,7 +89,10 @@ def build_plan(trt: Any, onnx_path: Path, plan_path: Path, graph_profiles: list[
                                  f"{error.desc()} ({parser.num_errors} error(s))")
     config = builder.create_builder_config()
     config.builder_optimization_level = optimization_level
-    cache = config.create_timing_cache(timing_cache.read_bytes() if timing_cache.is_file() else b"")
+    if fp32:
+        config.clear_flag(trt.BuilderFlag.TF32)
+    known = next((c for c in (timing_cache, seed_cache) if c is not None and c.is_file()), None)
+    cache = config.create_timing_cache(known.read_bytes() if known else b"")
     config.set_timing_cache(cache, ignore_mismatch=False)
     for profile in graph_profiles:
         optimization_profile = builder.create_optimization_profile()
@@ -99,9 +110,12 @@ def build_plan(trt: Any, onnx_path: Path, plan_path: Path, graph_profiles: list[
 
 
 def compile_engine(engine_dir: Path, manifest: EngineManifest, onnx_only: bool = False,
-                   optimization_level: int = DEFAULT_OPTIMIZATION_LEVEL, timing_cache: Path | None = None
-                   ) -> dict[str, Any]:
-    """Prepare every graph, and build its engine unless onnx_only; returns engine.json's `build.compile`."""
+                   optimization_level: int = DEFAULT_OPTIMIZATION_LEVEL, timing_cache: Path | None = None,
+                   replaced: Path | None = None) -> dict[str, Any]:
+    """Prepare every graph, and build its engine unless onnx_only; returns engine.json's `build.compile`.
+
+    timing_cache: a cache kept across builds (--timing-cache); default: `timing.cache` in the engine, seeded from
+    the engine folder `replaced` (the OUT a --force rebuild replaces) when that has one."""
     record: dict[str, Any] = {"profiles": {}, "plugin_nodes": {}, "optimization_level": optimization_level}
     for graph, entry in manifest.graphs.items():
         record["plugin_nodes"][graph] = prepare_onnx(engine_dir / entry.file)
@@ -111,11 +125,13 @@ def compile_engine(engine_dir: Path, manifest: EngineManifest, onnx_only: bool =
         record["tensorrt"] = "not built (--onnx-only): written to TensorRT's documented API, not run here"
         return record
     trt = check_installed()
-    cache = timing_cache or engine_dir / "timing.cache"
+    cache = timing_cache or engine_dir / TIMING_CACHE
+    seed = replaced / TIMING_CACHE if replaced is not None and timing_cache is None else None
     record["tensorrt"] = trt.__version__
-    record["timing_cache"] = str(cache)
+    record["timing_cache"] = str(timing_cache) if timing_cache else TIMING_CACHE
     record["plans"] = {graph: build_plan(trt, engine_dir / entry.file, engine_dir / f"{graph}.plan",
-                                         profiles(manifest, graph), optimization_level, cache)
+                                         profiles(manifest, graph), optimization_level, cache, seed,
+                                         fp32=manifest.dtype == "fp32")
                        for graph, entry in manifest.graphs.items()}
     return record
 

@@ -301,10 +301,12 @@ class Gate(nn.Module):
 class StackedExperts(nn.Module):
     """The routed experts as three stacked weights [E, out, in], computed in one batched product.
 
-    The same sum as running each Expert on every token with its (often zero) routing weight, but a handful
-    of graph nodes per layer whatever the number of experts: the export of a 256-expert layer would
-    otherwise trace 256 expert bodies. The builder gives each stacked weight its bytes as the experts'
-    own checkpoint tensors, joined in the graph (builder/weights.py)."""
+    Each expert computes what Expert.forward computes, on every token with its (often zero) routing weight, and
+    the fp32 sum over experts is the same up to its order; but the graph has a handful of nodes per layer
+    whatever the number of experts: the export of a 256-expert layer would otherwise trace 256 expert bodies.
+    The builder gives each stacked weight its bytes as the experts' own checkpoint tensors, joined in the graph
+    (builder/weights.py). Dense, as the whole exported MoE is: [E, T, inter] fp32 intermediates (1 GiB for
+    V4-Flash at a 512-token chunk) and E/top-k times the expert FLOPs, until a gathered MoE replaces it."""
 
     def __init__(self, experts: nn.ModuleList):
         super().__init__()

@@ -3,9 +3,10 @@
 Device buffers are torch CUDA tensors. Per call: the inputs are copied to the device, the tightest optimization
 profile covering their shapes is made active (engine.json lists the profiles in the engine's order), each
 input's shape and address are set, the outputs are allocated at the shapes TensorRT infers from the inputs,
-the engine is enqueued on the session's stream, and the outputs come back as numpy arrays (bf16 as float32:
-numpy has no bfloat16). The caches therefore live on the host between calls, as with ONNX Runtime; the
-scheduler's commit-by-length works unchanged.
+the engine is enqueued on the session's stream, and the outputs come back as numpy arrays. The caches therefore
+live on the host between calls, as with ONNX Runtime; the scheduler's commit-by-length works unchanged. Engines
+run in fp32 or fp16: the scheduler keeps caches in numpy, which has no bfloat16, so a bf16 engine builds but does
+not run here yet (device-resident caches will lift both limits).
 
 The engine's plugins run their ahead-of-time kernels (the builder marks every v4 node `aot=1`), so loading needs
 no plugin module; `register_plugins` runs anyway when TensorRT is present, for engines built with JIT plugins.
@@ -46,8 +47,11 @@ def _import_tensorrt() -> tuple[Any, Any]:
 
 class TensorRTSession(EngineSession):
     def __init__(self, engine_dir: str | Path, manifest: EngineManifest, graph: str, device: int = 0):
-        trt, torch = _import_tensorrt()
         engine_dir = Path(engine_dir)
+        if manifest.dtype == "bf16":
+            raise TensorRTUnavailable(f"{engine_dir}: a bf16 TensorRT engine does not run in this runtime yet (its "
+                                      "caches are numpy arrays, which have no bfloat16); build with --dtype fp16")
+        trt, torch = _import_tensorrt()
         compiled = manifest.build.get("compile", {})
         plans = compiled.get("plans")
         if not plans:
@@ -85,7 +89,8 @@ class TensorRTSession(EngineSession):
                 array = feeds[spec.name]
                 tensor = self._buffer(array.shape, spec.dtype)
                 tensor.copy_(torch.from_numpy(np.ascontiguousarray(array)))
-                self._context.set_input_shape(spec.name, tuple(array.shape))
+                if not self._context.set_input_shape(spec.name, tuple(array.shape)):
+                    raise V4EngineError(f"TensorRT refused shape {tuple(array.shape)} for input '{spec.name}'")
                 self._context.set_tensor_address(spec.name, tensor.data_ptr())
                 held.append(tensor)
             outputs = {}
@@ -96,4 +101,4 @@ class TensorRTSession(EngineSession):
             if not self._context.execute_async_v3(self._stream.cuda_stream):
                 raise V4EngineError(f"TensorRT failed to run the engine on input_ids {feeds['input_ids'].shape}")
             self._stream.synchronize()
-        return {name: (t.float() if t.dtype == torch.bfloat16 else t).cpu().numpy() for name, t in outputs.items()}
+        return {name: t.cpu().numpy() for name, t in outputs.items()}

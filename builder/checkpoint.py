@@ -34,7 +34,7 @@ class CheckpointError(V4EngineError):
 
 # safetensors dtype -> (bytes per element, numpy dtype of the raw view).
 # BF16 and the 8-bit floats have no numpy dtype, so raw() shows their bits.
-_DTYPES: dict[str, tuple[int, str]] = {
+SAFETENSORS_DTYPES: dict[str, tuple[int, str]] = {
     "BOOL": (1, "|b1"),
     "U8": (1, "|u1"),
     "I8": (1, "|i1"),
@@ -261,7 +261,7 @@ class Checkpoint:
         mm = self._maps.get(info.file)
         if mm is None:
             mm = self._maps[info.file] = np.memmap(info.file, dtype=np.uint8, mode="r")
-        return mm[info.offset:info.offset + info.nbytes].view(_DTYPES[info.dtype][1]).reshape(info.shape)
+        return mm[info.offset:info.offset + info.nbytes].view(SAFETENSORS_DTYPES[info.dtype][1]).reshape(info.shape)
 
 
 # --------------------------------------------------------------------- files and headers
@@ -315,9 +315,9 @@ def _read_header(path: Path) -> tuple[bytes, list[_Stored]]:
                 raise ValueError
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{path}: tensor '{key}' has a malformed header entry") from None
-        if dtype not in _DTYPES:
+        if dtype not in SAFETENSORS_DTYPES:
             raise CheckpointError(f"{path}: tensor '{key}' has unknown dtype '{dtype}'")
-        nbytes = math.prod(shape) * _DTYPES[dtype][0]
+        nbytes = math.prod(shape) * SAFETENSORS_DTYPES[dtype][0]
         if end - begin != nbytes:
             raise CheckpointError(
                 f"{path}: tensor '{key}' ({dtype} {list(shape)}) needs {nbytes} bytes but spans {end - begin}")
@@ -396,7 +396,7 @@ def _split_fused(t: _Stored, layer: str, kind: str) -> dict[str, TensorInfo]:
         parts = [("w2", 0, rows)]
     else:
         parts = [("w1", 0, rows // 2), ("w3", rows // 2, rows // 2)]
-    row_bytes = cols * _DTYPES[t.dtype][0]
+    row_bytes = cols * SAFETENSORS_DTYPES[t.dtype][0]
     out = {}
     for e in range(n_experts):
         for w, first_row, n_rows in parts:

@@ -20,10 +20,10 @@ import torch
 
 from v4engine.runtime.config import V4Config
 from v4engine.runtime.errors import ConfigError
-from v4engine.runtime.staging import staged_folder
 
+from .checkpoint import SAFETENSORS_DTYPES
 from .model import Transformer
-from .tiny import shard_groups, stored_form
+from .tiny import stored_form, write_checkpoint_folder
 
 _FLASH: dict[str, Any] = {
     "model_type": "deepseek_v4", "architectures": ["DeepseekV4ForCausalLM"], "torch_dtype": "bfloat16",
@@ -80,15 +80,12 @@ def release_tensors(raw: dict[str, Any]) -> dict[str, tuple[str, tuple[int, ...]
     return out
 
 
-_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "I64": 8, "I8": 1, "F8_E4M3": 1, "F8_E8M0": 1}
-
-
 def _write_sparse_safetensors(path: Path, tensors: dict[str, tuple[str, tuple[int, ...]]]) -> int:
     """A safetensors file with a valid header for `tensors`, its data a hole; returns its size in bytes."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt", "content": "no data: a sparse stand-in"}}
     offset = 0
     for name, (dtype, shape) in tensors.items():
-        nbytes = math.prod(shape) * _BYTES[dtype]
+        nbytes = math.prod(shape) * SAFETENSORS_DTYPES[dtype][0]
         header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
@@ -105,19 +102,8 @@ def write_release_checkpoint(out: str | Path, release: str = "v4-flash", shards:
         raise ConfigError(f"unknown release {release!r}; choose one of {sorted(RELEASES)}")
     raw, release_shards, _ = RELEASES[release]
     tensors = release_tensors(raw)
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with staged_folder(out, "writing") as tmp:
-        weight_map, total = {}, 0
-        groups = shard_groups(list(tensors), shards or release_shards)
-        for i, group in enumerate(groups):
-            fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-            total += _write_sparse_safetensors(tmp / fname, {k: tensors[k] for k in group})
-            weight_map.update(dict.fromkeys(group, fname))
-        (tmp / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-        (tmp / "config.json").write_text(json.dumps(raw, indent=2))
-    return out
+    return write_checkpoint_folder(out, raw, list(tensors), shards or release_shards,
+                                   lambda path, names: _write_sparse_safetensors(path, {k: tensors[k] for k in names}))
 
 
 __all__ = ["RELEASES", "release_tensors", "write_release_checkpoint"]

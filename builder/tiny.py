@@ -11,6 +11,7 @@ import json
 import re
 import shutil
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -193,17 +194,28 @@ def save_checkpoint(model: Transformer, raw: dict[str, Any], out: str | Path, qu
                                       "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
         raw["expert_dtype"] = "fp4" if quantize == "mxfp4" else "fp8"
 
+    def write_shard(path: Path, names: list[str]) -> int:
+        save_file({k: tensors[k] for k in names}, str(path), metadata={"format": "pt"})
+        return sum(tensors[k].numel() * tensors[k].element_size() for k in names)
+
+    return write_checkpoint_folder(out, raw, list(tensors), shards, write_shard, extra_files)
+
+
+def write_checkpoint_folder(out: str | Path, raw: dict[str, Any], names: list[str], shards: int,
+                            write_shard: Callable[[Path, list[str]], int],
+                            extra_files: dict[str, Path] | None = None) -> Path:
+    """A checkpoint folder laid out like the release: `names` over `shards` safetensors files (write_shard(path,
+    names) writes one and returns its data bytes), the index, config.json `raw` and `extra_files`; built in a
+    temporary folder and renamed at the end."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with staged_folder(out, "writing") as tmp:
-        groups = shard_groups(list(tensors), shards)
+        groups = shard_groups(names, shards)
         weight_map, total = {}, 0
         for i, group in enumerate(groups):
             fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-            save_file({k: tensors[k] for k in group}, str(tmp / fname), metadata={"format": "pt"})
-            for k in group:
-                weight_map[k] = fname
-                total += tensors[k].numel() * tensors[k].element_size()
+            total += write_shard(tmp / fname, group)
+            weight_map.update(dict.fromkeys(group, fname))
         (tmp / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
         (tmp / "config.json").write_text(json.dumps(raw, indent=2))
@@ -228,4 +240,4 @@ def shard_groups(names: list[str], shards: int) -> list[list[str]]:
 
 
 __all__ = ["TINY_CONFIGS", "make_tiny", "save_checkpoint", "random_model", "official_to_hf_name", "hf_config",
-           "stored_form", "shard_groups"]
+           "stored_form", "shard_groups", "write_checkpoint_folder"]

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import asdict
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ from v4engine.runtime.engine import EngineManifest
 from v4engine.runtime.errors import V4EngineError
 from v4engine.runtime.profiles import Profile
 
-from .profiles import profiles
+from .profiles import as_record, engine_profiles
 
 ALLOWLIST = Path(__file__).with_name("migraphx_ops.json")
 SCRIPT = "compile_migraphx.sh"
@@ -168,12 +167,12 @@ def compile_programs(engine_dir: Path, manifest: EngineManifest, migraphx: Any,
 def compile_engine(engine_dir: Path, manifest: EngineManifest) -> dict[str, Any]:
     """Prepare every graph's variant and compile it where MIGraphX imports; returns engine.json's build.compile."""
     allowed = allowlist()
-    graph_profiles = {graph: profiles(manifest, graph) for graph in manifest.graphs}
+    graph_profiles = engine_profiles(manifest)
     record: dict[str, Any] = {
         "allowlist": {"migraphx": allowed["migraphx_version"], "source": allowed["source"]},
         "variant": {graph: prepare_variant(engine_dir / entry.file, {w.file: w.bytes for w in manifest.weights})
                     for graph, entry in manifest.graphs.items()},
-        "profiles": {graph: [asdict(p) for p in ps] for graph, ps in graph_profiles.items()}}
+        "profiles": as_record(graph_profiles)}
     try:
         import migraphx
     except ImportError:

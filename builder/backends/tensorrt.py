@@ -18,7 +18,6 @@ optimization profile per entry of `profiles`, a timing cache (read if it exists,
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,7 @@ from v4engine.runtime.engine import EngineManifest
 from v4engine.runtime.errors import V4EngineError
 from v4engine.runtime.profiles import Profile
 
-from .profiles import profiles
+from .profiles import as_record, engine_profiles
 
 DEFAULT_OPTIMIZATION_LEVEL = 3
 TIMING_CACHE = "timing.cache"
@@ -116,10 +115,10 @@ def compile_engine(engine_dir: Path, manifest: EngineManifest, onnx_only: bool =
 
     timing_cache: a cache kept across builds (--timing-cache); default: `timing.cache` in the engine, seeded from
     the engine folder `replaced` (the OUT a --force rebuild replaces) when that has one."""
-    record: dict[str, Any] = {"profiles": {}, "plugin_nodes": {}, "optimization_level": optimization_level}
-    for graph, entry in manifest.graphs.items():
-        record["plugin_nodes"][graph] = prepare_onnx(engine_dir / entry.file)
-        record["profiles"][graph] = [asdict(p) for p in profiles(manifest, graph)]
+    graph_profiles = engine_profiles(manifest)
+    record: dict[str, Any] = {
+        "profiles": as_record(graph_profiles), "optimization_level": optimization_level,
+        "plugin_nodes": {graph: prepare_onnx(engine_dir / entry.file) for graph, entry in manifest.graphs.items()}}
     if onnx_only:
         record["plans"] = None
         record["tensorrt"] = "not built (--onnx-only): written to TensorRT's documented API, not run here"
@@ -130,7 +129,7 @@ def compile_engine(engine_dir: Path, manifest: EngineManifest, onnx_only: bool =
     record["tensorrt"] = trt.__version__
     record["timing_cache"] = str(timing_cache) if timing_cache else TIMING_CACHE
     record["plans"] = {graph: build_plan(trt, engine_dir / entry.file, engine_dir / f"{graph}.plan",
-                                         profiles(manifest, graph), optimization_level, cache, seed,
+                                         graph_profiles[graph], optimization_level, cache, seed,
                                          fp32=manifest.dtype == "fp32")
                        for graph, entry in manifest.graphs.items()}
     return record

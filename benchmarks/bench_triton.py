@@ -1,4 +1,5 @@
-"""Triton overhead at batch 1: tokens/s and time to first token through Triton vs the same runtime in-process.
+"""Triton overhead at batch 1 (tokens/s and time to first token through Triton vs the same runtime in-process),
+and a burst of concurrent streams (how soon each starts, how many engine calls they share).
 
 The same engine (the trained tiny V4, built with --mtp 3), prompts and settings (greedy, a fixed number of new
 tokens) run one request at a time, interleaved: for each prompt, the runtime in this process
@@ -8,8 +9,12 @@ nvidia-pytriton 2.51 server (v4engine.triton_repo.server) on a repository render
 side uses only the standard library: a gRPC client's threads in this process would slow the in-process runtime
 (ONNX Runtime runs two threads on this machine's two cores).
 
+The burst: --concurrent streams sent at once (`/generate_stream`, one client thread each), --rounds times. Each
+stream's time to first token, the burst's wall time and its engine calls (Triton's metrics port) are set against
+the engine calls the same requests take one after another in-process.
+
     .venv/bin/python benchmarks/bench_triton.py [--engine ENGINE_DIR | --checkpoint examples/tiny-v4] \\
-        [--rounds 5] [--max-tokens 64] [--env .venv-triton] [--work /tmp/bench-triton]
+        [--rounds 5] [--max-tokens 64] [--concurrent 8] [--env .venv-triton] [--work /tmp/bench-triton]
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ import json
 import statistics
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from v4engine.builder.cli import main as v4build
@@ -55,6 +61,23 @@ def http_first_token(url: str, prompt: str, max_tokens: int) -> float:
     return first
 
 
+def engine_steps(metrics_url: str) -> float:
+    """v4_engine_steps_total from Triton's metrics port."""
+    for line in urllib.request.urlopen(metrics_url).read().decode().splitlines():
+        if line.startswith("v4_engine_steps_total{"):
+            return float(line.split()[-1])
+    raise RuntimeError(f"no v4_engine_steps_total at {metrics_url}")
+
+
+def burst(server, prompts: list[str], max_tokens: int) -> tuple[list[float], float, float]:
+    """Send every prompt at once as a stream: (each stream's time to first token, wall time, engine calls)."""
+    steps = engine_steps(server.metrics_url)
+    started = time.perf_counter()
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        ttfts = list(pool.map(lambda p: http_first_token(server.http_url, p, max_tokens), prompts))
+    return ttfts, time.perf_counter() - started, engine_steps(server.metrics_url) - steps
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engine", type=Path, help="an engine directory (default: build --checkpoint into --work)")
@@ -63,6 +86,7 @@ def main() -> None:
     p.add_argument("--work", type=Path, default=Path("/tmp/bench-triton"))
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--concurrent", type=int, default=8, help="streams per burst (at most the repository's max_batch)")
     args = p.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     engine = args.engine
@@ -94,6 +118,12 @@ def main() -> None:
                 served["seconds"].append(seconds)
                 served["steps"].append(args.max_tokens / json.loads(answer["metrics"])["tokens_per_second"])
                 served["ttft"].append(http_first_token(server.http_url, prompt, args.max_tokens))
+        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.concurrent)]
+        before = generator.scheduler.engine_steps
+        for prompt in prompts:
+            generator.generate([prompt], params)
+        one_by_one = generator.scheduler.engine_steps - before
+        bursts = [burst(server, prompts, args.max_tokens) for _ in range(args.rounds)]
     n = args.max_tokens
     rows = [("in-process runtime", local), ("Triton ensemble (HTTP generate; generate_stream for TTFT)", served)]
     print(f"engine {engine}, greedy, {n} new tokens, batch 1, {args.rounds} rounds x {len(PROMPTS)} prompts\n")
@@ -107,6 +137,12 @@ def main() -> None:
           f"(tokens/s ratio {statistics.median(local['seconds']) / statistics.median(served['seconds']):.3f})")
     print(f"Triton's own share, per request: client time vs the runtime's step time inside the server: "
           f"{100 * inside:+.1f} % (median)")
+    print(f"\n{args.concurrent} concurrent streams, {args.rounds} bursts; one after another in-process they take "
+          f"{one_by_one} engine calls\n")
+    print("| burst | first token, median | first token, slowest stream | wall | engine calls |\n|---|---|---|---|---|")
+    for i, (ttfts, wall, steps) in enumerate(bursts, 1):
+        print(f"| {i} | {1000 * statistics.median(ttfts):.0f} ms | {1000 * max(ttfts):.0f} ms | {wall:.2f} s | "
+              f"{steps:.0f} |")
 
 
 if __name__ == "__main__":

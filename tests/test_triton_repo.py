@@ -77,16 +77,15 @@ def test_the_client_facing_contract(variant):
     assert [t.name for t in models["ensemble"].output] == ["text_output", "output_ids", "finish_reason", "metrics"]
 
 
-def test_generation_is_decoupled_with_a_bounded_queue(variant):
+def test_generation_is_decoupled_and_requests_reach_each_step_without_a_batcher(variant):
     _, models = variant
     generate = models["v4_generate"]
     assert generate.model_transaction_policy.decoupled
-    policy = generate.dynamic_batching.default_queue_policy
     params = {k: v.string_value for k, v in generate.parameters.items()}
-    assert policy.max_queue_size == int(params["max_batch"]) + 5 == 13
-    assert policy.timeout_action == model_config_pb2.ModelQueuePolicy.REJECT
-    assert Path(params["engine_dir"]).is_absolute() and params["max_queue_size"] == "5"
-    assert not models["postprocessing"].HasField("dynamic_batching"), "it must see cancelled requests"
+    assert Path(params["engine_dir"]).is_absolute() and params["max_queue_size"] == "5"   # the loop's own bound
+    # Triton's dynamic batcher would drop cancelled requests before postprocessing relays them, and hold a
+    # request that arrives while v4_generate's instance is busy for its 500 ms idle timeout
+    assert not any(m.HasField("dynamic_batching") for m in models.values())
     assert all(m.max_batch_size == 0 for m in models.values())
 
 

@@ -77,7 +77,6 @@ class Model:
     outputs: tuple[Tensor, ...]
     doc: str
     decoupled: bool = False
-    dynamic_batching: bool = True
 
 
 PREPROCESSING = Model(
@@ -90,10 +89,7 @@ V4_GENERATE = Model(
 POSTPROCESSING = Model(
     "postprocessing", inputs=(ECHO_IDS, GENERATED_IDS, NEW_TOKENS, FINISH_REASON, CANCEL_KEY, STOP_STRINGS),
     outputs=(TEXT_OUTPUT,),
-    doc="incremental detokenization of each response; relays a client's cancellation to v4_generate",
-    # Triton's dynamic batcher drops cancelled requests before the model sees them; this model must see them to
-    # relay the cancellation to v4_generate (models/relay.py).
-    dynamic_batching=False)
+    doc="incremental detokenization of each response; relays a client's cancellation to v4_generate")
 STEPS = (PREPROCESSING, V4_GENERATE, POSTPROCESSING)
 
 
@@ -137,12 +133,11 @@ def python_model(model: Model, options: Options) -> str:
             + ("model_transaction_policy { decoupled: true }\n" if model.decoupled else "")
             + tensors("input", model.inputs) + tensors("output", model.outputs)
             + f"instance_group [ {{ count: {count} kind: {kind} }} ]\n")
-    if model.dynamic_batching:
-        # v4_generate takes every request at once (its execute is async); Triton's own queue only has to hold
-        # a burst: as many as the model admits (max_batch running + max_queue_size waiting), then REJECT.
-        limit = options.max_batch + options.max_queue_size
-        text += ("dynamic_batching { default_queue_policy { max_queue_size: %d timeout_action: REJECT } }\n" % limit
-                 if generate else "dynamic_batching { }\n")
+    # No step has a dynamic batcher. With max_batch_size 0 it batches nothing, and in 2.51 it does harm: it drops
+    # cancelled requests before postprocessing can relay them (models/relay.py), and a request that arrives while
+    # the instance is busy waits for the batcher's 500 ms idle timeout (dynamic_batch_scheduler.cc): 3 of 8
+    # concurrent streams started half a second late. Requests go straight to the instance; v4_generate takes
+    # each at once (its execute is async) and its serving loop refuses what exceeds max_batch + max_queue_size.
     values: dict[str, object] = {"engine_dir": options.engine_dir}
     if model is PREPROCESSING:
         values["max_seq_len"] = options.max_seq_len

@@ -35,8 +35,20 @@ FP32_PARAMETERS = re.compile(r"(hc_\w+|attn_sink|\.ape|gate\.bias)$")
 
 # --------------------------------------------------------------------------- cache views and deltas
 @dataclass
-class LayerCache:
-    """Read-only cache views of one layer for a batch (names as in V4Config.cache_groups).
+class LayerTensors:
+    """One layer's tensors by cache group (names as in V4Config.cache_groups); None for groups it lacks."""
+
+    window_kv: torch.Tensor
+    compressor_kv: torch.Tensor | None = None
+    compressor_gate: torch.Tensor | None = None
+    compressed_kv: torch.Tensor | None = None
+    indexer_kv: torch.Tensor | None = None
+    indexer_gate: torch.Tensor | None = None
+    index_keys: torch.Tensor | None = None
+
+
+class LayerCache(LayerTensors):
+    """Read-only cache views of one layer for a batch.
 
     window_kv [B, W-1, d]: rows of positions start-W+1 .. start-1 (zeros where the position is < 0).
     compressor_kv/gate [B, P, C]: per-token compressor values/gates of positions start-P .. start-1.
@@ -44,26 +56,9 @@ class LayerCache:
     indexer_kv/gate, index_keys: the same for the CSA indexer's own compressor.
     """
 
-    window_kv: torch.Tensor
-    compressor_kv: torch.Tensor | None = None
-    compressor_gate: torch.Tensor | None = None
-    compressed_kv: torch.Tensor | None = None
-    indexer_kv: torch.Tensor | None = None
-    indexer_gate: torch.Tensor | None = None
-    index_keys: torch.Tensor | None = None
 
-
-@dataclass
-class LayerDelta:
+class LayerDelta(LayerTensors):
     """What one forward adds to a layer's caches, per new position (rows: per window closed, see plugins/compressor.py)."""
-
-    window_kv: torch.Tensor
-    compressor_kv: torch.Tensor | None = None
-    compressor_gate: torch.Tensor | None = None
-    compressed_kv: torch.Tensor | None = None
-    indexer_kv: torch.Tensor | None = None
-    indexer_gate: torch.Tensor | None = None
-    index_keys: torch.Tensor | None = None
 
 
 @dataclass

@@ -193,6 +193,11 @@ class Checkpoint:
 
     __contains__ = has
 
+    @property
+    def has_mtp_layer(self) -> bool:
+        """Whether the mtp.0.* draft layer is there (transformers' save_pretrained drops it)."""
+        return any(name.startswith("mtp.0.") for name in self._infos)
+
     def info(self, name: str) -> TensorInfo:
         try:
             return self._infos[name]

@@ -44,7 +44,7 @@ def _check(args: argparse.Namespace) -> None:
     print(f"{args.checkpoint}: {len(ckpt.names())} tensors in {len(ckpt.files())} file(s), formats {formats}")
     print(f"  {cfg.num_hidden_layers} layers {kinds}, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, "
           f"experts {cfg.n_routed_experts} (top {cfg.num_experts_per_tok}), mtp layer: "
-          f"{'yes' if any(n.startswith('mtp.0.') for n in ckpt.names()) else 'no'}")
+          f"{'yes' if ckpt.has_mtp_layer else 'no'}")
     print(f"  fingerprint {ckpt.fingerprint()[:16]}")
 
 

@@ -21,13 +21,11 @@ from torch import nn
 from torch.export import Dim
 
 from v4engine.plugins import OPSET
-from v4engine.runtime.config import CSA, SLIDING, CacheGroup, V4Config
+from v4engine.runtime.config import CSA, ROW_GROUPS, SLIDING, CacheGroup, V4Config
 from v4engine.runtime.engine import TensorSpec
 
 from .model import LayerCache, Transformer
 from .model.rope import inv_freq
-
-ROW_GROUPS = ("compressed_kv", "index_keys")
 
 
 def _kind(cfg: V4Config, group: CacheGroup) -> str:

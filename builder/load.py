@@ -17,7 +17,7 @@ def open_checkpoint(directory: str | Path, mtp: bool) -> tuple[V4Config, Checkpo
     directory = Path(directory)
     cfg = V4Config.from_file(directory / "config.json")
     ckpt = Checkpoint.open(directory)
-    if mtp and not any(name.startswith("mtp.0.") for name in ckpt.names()):
+    if mtp and not ckpt.has_mtp_layer:
         raise CheckpointError(f"{directory}: the checkpoint has no mtp.0.* weights, which MTP drafting needs "
                               "(transformers' save_pretrained drops them); use --mtp 0 to build without a draft")
     with torch.device("meta"):                      # shapes only: no memory for the weights

@@ -51,6 +51,11 @@ class Rope:
     yarn: Yarn | None = None
 
 
+# Cache groups that grow one row per closed window of `ratio` tokens; a forward emits their rows per window
+# closed, the other groups' per new position.
+ROW_GROUPS = ("compressed_kv", "index_keys")
+
+
 @dataclass(frozen=True)
 class CacheGroup:
     """One cache the runtime allocates per sequence for one layer.

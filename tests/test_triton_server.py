@@ -97,7 +97,8 @@ def grpc_stream(server, requests: list[list[grpcclient.InferInput]], cancel_afte
     client.start_stream(callback=lambda result, error: answers.put((result, error)))
     for i, inputs in enumerate(requests):
         client.async_stream_infer("ensemble", inputs, request_id=str(i), enable_empty_final_response=True)
-    if cancel_after is not None:
+    if cancel_after is not None:                     # cancel while the first request is generating
+        answers.get(timeout=120)
         time.sleep(cancel_after)
         client.stop_stream(cancel_requests=True)
         return {}, []
@@ -128,10 +129,10 @@ def metric(server, name: str) -> float:
     raise AssertionError(f"no {name} on the metrics port")
 
 
-def wait_for(condition, timeout: float = 30.0) -> None:
+def wait_for(condition, what: str, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
-        assert time.monotonic() < deadline, "timed out"
+        assert time.monotonic() < deadline, f"waited {timeout:.0f} s for {what}"
         time.sleep(0.1)
 
 
@@ -211,6 +212,7 @@ def test_concurrent_streams_are_batched_and_each_gets_its_solo_output(server, ru
 
 @pytest.mark.parametrize("client", ["grpc cancel_requests", "closed http stream"])
 def test_cancelling_a_stream_stops_generation(server, client):
+    generated = metric(server, "v4_generated_tokens_total")
     if client == "grpc cancel_requests":
         grpc_stream(server, [tensors(PROMPT, 3000, stream=True, ignore_eos=True)], cancel_after=0.5)
     else:
@@ -220,7 +222,8 @@ def test_cancelling_a_stream_stops_generation(server, client):
         assert connection.getresponse().readline().startswith(b"data: ")
         time.sleep(0.5)
         connection.close()
-    time.sleep(1.0)                                 # the next response relays the cancellation
+    wait_for(lambda: metric(server, "v4_generated_tokens_total") > generated, what="the cancelled request to end")
+    assert metric(server, "v4_generated_tokens_total") - generated < 3000, "the cancelled request ran to its end"
     before = metric(server, "v4_engine_steps_total")
     time.sleep(1.0)
     assert metric(server, "v4_engine_steps_total") == before, "the engine went on generating for a cancelled request"
@@ -266,10 +269,10 @@ def test_an_overload_beyond_the_queue_is_refused_and_the_server_goes_on(server):
         filler.async_stream_infer("ensemble", tensors(PROMPTS[i % len(PROMPTS)], 3000, stream=True, ignore_eos=True))
     try:
         wait_for(lambda: metric(server, "v4_running_requests") == MAX_BATCH
-                 and metric(server, "v4_queue_size") == MAX_QUEUE)
+                 and metric(server, "v4_queue_size") == MAX_QUEUE, what="a full batch and a full queue")
         _, refused = grpc_stream(server, [tensors(PROMPT, 8)] * 3)
     finally:
         filler.stop_stream(cancel_requests=True)
     assert len(refused) == 3 and all("the server is full" in str(e) for e in refused), refused
-    wait_for(lambda: metric(server, "v4_running_requests") == 0)
+    wait_for(lambda: metric(server, "v4_running_requests") == 0, what="the cancelled fillers to leave the batch")
     assert generate(server, {"text_input": PROMPT, "max_tokens": 4})["finish_reason"] == "length"

@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from v4engine.runtime.config import CSA, SLIDING, V4Config
+from v4engine.runtime.config import CSA, ROW_GROUPS, SLIDING, V4Config
 
 from .v4 import LayerCache, LayerDelta
-
-_ROWS = ("compressed_kv", "index_keys")
 
 
 class ModelState:
@@ -66,7 +64,7 @@ class ModelState:
             for b, (row, n) in enumerate(zip(rows, n_new)):
                 for name in row:
                     new = getattr(delta, name)
-                    if name in _ROWS:  # rows of windows that closed within the accepted positions
+                    if name in ROW_GROUPS:  # rows of windows that closed within the accepted positions
                         n_rows = (self.lengths[b] + n) // m - self.lengths[b] // m
                         new = new[b, :n_rows]
                     else:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from v4engine.builder.tiny import TINY_CONFIGS, _shard_groups
+from v4engine.builder.tiny import TINY_CONFIGS, write_checkpoint_folder
 from v4engine.runtime.config import V4Config
 
 
@@ -47,33 +47,27 @@ def param_bytes(raw: dict) -> int:
 
 
 def write_checkpoint(raw: dict, out: Path) -> None:
-    """Random bf16 tensors streamed shard by shard (never the whole model in memory)."""
+    """Random bf16 tensors (fp32 where the checkpoint keeps them fp32) written shard by shard, never the whole
+    model in memory."""
     from v4engine.builder.model import Transformer
+    from v4engine.builder.model.v4 import FP32_PARAMETERS
 
-    out.mkdir(parents=True)
     with torch.device("meta"):
         shapes = {k: (v.shape, v.dtype) for k, v in Transformer(V4Config.from_dict(raw), mtp=True).state_dict().items()}
-    groups = _shard_groups(list(shapes), 8)
-    weight_map = {}
-    for i, group in enumerate(groups):
-        name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-        tensors = {}
-        for k in group:
-            shape, dtype = shapes[k]
-            if dtype == torch.int64:
-                tensors[k] = torch.randint(0, raw["n_routed_experts"], shape)
-            elif k.endswith(("hc_attn_fn", "hc_ffn_fn", "hc_head_fn", "attn_sink", ".ape", "hc_attn_base",
-                             "hc_ffn_base", "hc_head_base", "hc_attn_scale", "hc_ffn_scale", "hc_head_scale",
-                             "gate.bias")):
-                tensors[k] = torch.randn(shape) * 0.02
-            else:
-                tensors[k] = (torch.randn(shape) * 0.02).to(torch.bfloat16)
-            weight_map[k] = name
-        save_file(tensors, str(out / name))
-    total = sum(f.stat().st_size for f in out.glob("*.safetensors"))
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
-                                                                  "weight_map": weight_map}))
-    (out / "config.json").write_text(json.dumps(raw))
+
+    def random(name: str) -> torch.Tensor:
+        shape, dtype = shapes[name]
+        if dtype == torch.int64:
+            return torch.randint(0, raw["n_routed_experts"], shape)
+        values = torch.randn(shape) * 0.02
+        return values if FP32_PARAMETERS.search(name) else values.to(torch.bfloat16)
+
+    def write_shard(path: Path, names: list[str]) -> int:
+        tensors = {k: random(k) for k in names}
+        save_file(tensors, str(path))
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
+    write_checkpoint_folder(out, raw, list(shapes), 8, write_shard)
 
 
 def timed_build(checkpoint: Path, output: Path) -> tuple[float, float]:

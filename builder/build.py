@@ -20,12 +20,13 @@ import torch
 from tqdm import tqdm
 
 from v4engine.plugins import DOMAIN, OPSET, onnx_functions
+from v4engine.plugins.sinkhorn import NAME as SINKHORN
 from v4engine.runtime.config import V4Config
-from v4engine.runtime.engine import EngineManifest, GraphEntry, cache_group_dict
+from v4engine.runtime.engine import BUILT_LIMIT_DEFAULTS, EngineManifest, GraphEntry, cache_group_dict
 from v4engine.runtime.errors import V4EngineError
 from v4engine.runtime.staging import staged_folder
 
-from .backends import QUANTIZED_IN_PLACE, compile_engine, preflight
+from .backends import QUANTIZED_IN_PLACE, TENSORRT_OPTIMIZATION_LEVEL, compile_engine, preflight
 from .export import export_graph, graph_specs
 from .load import open_checkpoint
 from .weights import WeightWriter, attach_weights, serialize_without_data
@@ -46,13 +47,13 @@ class BuildOptions:
     mtp: int = 1
     backend: str = "onnxruntime"
     dtype: str = "fp32"
-    max_batch: int = 8
-    max_seq_len: int = 4096
-    max_prefill_chunk: int = 512
+    max_batch: int = BUILT_LIMIT_DEFAULTS["max_batch"]
+    max_seq_len: int = BUILT_LIMIT_DEFAULTS["max_seq_len"]
+    max_prefill_chunk: int = BUILT_LIMIT_DEFAULTS["max_prefill_chunk"]
     force: bool = False
     progress: bool = True
     onnx_only: bool = False                    # tensorrt: prepare the graphs, build no engines
-    builder_optimization_level: int = 3        # tensorrt
+    builder_optimization_level: int = TENSORRT_OPTIMIZATION_LEVEL        # tensorrt
     timing_cache: Path | None = None           # tensorrt: reused across builds (default: one in the engine)
 
 
@@ -111,7 +112,7 @@ def _write_graph(tmp: Path, name: str, options: BuildOptions, cfg, ckpt, writer:
     proto = serialize_without_data(model)
     clock.lap("export")
     counts = attach_weights(proto, ckpt, cfg, writer, quantized_in_place=QUANTIZED_IN_PLACE[options.backend])
-    add_functions(proto, cfg)
+    add_functions(proto)
     clock.lap("weights")
     check_graph(proto, {w.file: w.bytes for w in writer.files()})
     clock.lap("check")
@@ -120,9 +121,14 @@ def _write_graph(tmp: Path, name: str, options: BuildOptions, cfg, ckpt, writer:
     return counts
 
 
-def add_functions(proto: onnx.ModelProto, cfg: V4Config) -> None:
-    """The v4 ops' functions (for this model's Sinkhorn rounds) and the opsets the graph imports."""
-    proto.functions.extend(onnx_functions(sinkhorn_rounds=cfg.hc_sinkhorn_iters - 1))
+def add_functions(proto: onnx.ModelProto) -> None:
+    """The v4 ops' functions and the opsets the graph imports; HcSinkhorn's function unrolled for the rounds its
+    nodes carry (one count per model)."""
+    rounds = {a.i for n in proto.graph.node if n.domain == DOMAIN and n.op_type == SINKHORN
+              for a in n.attribute if a.name == "rounds"}
+    if len(rounds) > 1:
+        raise BuildError(f"{SINKHORN} nodes disagree on their rounds: {sorted(rounds)}")
+    proto.functions.extend(onnx_functions(sinkhorn_rounds=rounds.pop() if rounds else None))
     del proto.opset_import[:]
     proto.opset_import.extend([onnx.helper.make_opsetid("", OPSET), onnx.helper.make_opsetid(DOMAIN, 1)])
 

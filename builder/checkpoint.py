@@ -51,8 +51,11 @@ SAFETENSORS_DTYPES: dict[str, tuple[int, str]] = {
 }
 _INTEGER_DTYPES = {"BOOL", "U8", "I8", "I16", "I32", "I64"}
 _FP8_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
-_FP8_BLOCK = 128
-_MXFP4_BLOCK = 32
+FP8_BLOCK = 128
+MXFP4_BLOCK = 32
+# config.json's quantization_config of a release (and of the quantized checkpoints v4build writes)
+FP8_QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "activation_scheme": "dynamic",
+                           "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
 _FP8_MAX = 448.0
 _E2M1_MAX = 6.0
 _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -244,13 +247,13 @@ class Checkpoint:
             w = _decode(self._raw(info), info.dtype).float()
             s = _decode(self._raw(info.scale), info.scale.dtype).float()
             out, inp = info.shape
-            s = s.repeat_interleave(_FP8_BLOCK, 0)[:out].repeat_interleave(_FP8_BLOCK, 1)[:, :inp]
+            s = s.repeat_interleave(FP8_BLOCK, 0)[:out].repeat_interleave(FP8_BLOCK, 1)[:, :inp]
             return (w * s).to(dtype)
         if info.format == "mxfp4":
             codes = torch.from_numpy(np.array(self._raw(info).view(np.uint8))).long()
             codes = torch.stack([codes & 0xF, codes >> 4], dim=-1).flatten(-2)
             s = _decode(self._raw(info.scale), info.scale.dtype)
-            return (_E2M1[codes] * s.repeat_interleave(_MXFP4_BLOCK, -1)).to(dtype)
+            return (_E2M1[codes] * s.repeat_interleave(MXFP4_BLOCK, -1)).to(dtype)
         if info.dtype in _INTEGER_DTYPES:
             return torch.from_numpy(np.array(self._raw(info), dtype=np.int64))
         return _decode(self._raw(info), info.dtype).to(dtype)
@@ -422,10 +425,10 @@ def _with_scale(name: str, t: _Stored, scale: _Stored | None) -> TensorInfo:
                             scale.dtype, scale.shape, scale.offset, scale.nbytes)
     if len(t.shape) == 2 and scale.dtype not in _INTEGER_DTYPES:
         out, inp = t.shape
-        if t.dtype in _FP8_DTYPES and scale.shape == (-(-out // _FP8_BLOCK), -(-inp // _FP8_BLOCK)):
+        if t.dtype in _FP8_DTYPES and scale.shape == (-(-out // FP8_BLOCK), -(-inp // FP8_BLOCK)):
             return replace(info, scale=scale_info, format="fp8_block")
         if (t.dtype in ("I8", "U8") and scale.dtype == "F8_E8M0"
-                and inp * 2 % _MXFP4_BLOCK == 0 and scale.shape == (out, inp * 2 // _MXFP4_BLOCK)):
+                and inp * 2 % MXFP4_BLOCK == 0 and scale.shape == (out, inp * 2 // MXFP4_BLOCK)):
             return replace(info, scale=scale_info, format="mxfp4")
     raise CheckpointError(
         f"{t.file}: tensor '{t.key}' ({t.dtype} {list(t.shape)}) has scale '{scale.key}' "
@@ -478,12 +481,12 @@ def quantize_fp8_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     w = w.float()
     out, inp = w.shape
-    bo, bi = -(-out // _FP8_BLOCK), -(-inp // _FP8_BLOCK)
-    padded = torch.nn.functional.pad(w.abs(), (0, bi * _FP8_BLOCK - inp, 0, bo * _FP8_BLOCK - out))
-    amax = padded.view(bo, _FP8_BLOCK, bi, _FP8_BLOCK).amax(dim=(1, 3))
+    bo, bi = -(-out // FP8_BLOCK), -(-inp // FP8_BLOCK)
+    padded = torch.nn.functional.pad(w.abs(), (0, bi * FP8_BLOCK - inp, 0, bo * FP8_BLOCK - out))
+    amax = padded.view(bo, FP8_BLOCK, bi, FP8_BLOCK).amax(dim=(1, 3))
     k = _e8m0_exponent(amax, _FP8_MAX)
     step = torch.ldexp(torch.ones_like(amax), k.float())
-    step = step.repeat_interleave(_FP8_BLOCK, 0)[:out].repeat_interleave(_FP8_BLOCK, 1)[:, :inp]
+    step = step.repeat_interleave(FP8_BLOCK, 0)[:out].repeat_interleave(FP8_BLOCK, 1)[:, :inp]
     q = (w / step).to(torch.float8_e4m3fn)
     return q, (k + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
 
@@ -496,9 +499,9 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     w = w.float()
     out, inp = w.shape
-    if inp % _MXFP4_BLOCK:
-        raise ValueError(f"MXFP4 needs the input dim to be a multiple of {_MXFP4_BLOCK}, got {inp}")
-    blocks = w.view(out, inp // _MXFP4_BLOCK, _MXFP4_BLOCK)
+    if inp % MXFP4_BLOCK:
+        raise ValueError(f"MXFP4 needs the input dim to be a multiple of {MXFP4_BLOCK}, got {inp}")
+    blocks = w.view(out, inp // MXFP4_BLOCK, MXFP4_BLOCK)
     k = _e8m0_exponent(blocks.abs().amax(dim=-1), _E2M1_MAX)
     q = blocks / torch.ldexp(torch.ones_like(k, dtype=torch.float32), k.float()).unsqueeze(-1)
     midpoints = torch.tensor([(a + b) / 2 for a, b in zip(_E2M1_VALUES, _E2M1_VALUES[1:])])

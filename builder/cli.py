@@ -14,7 +14,10 @@ import argparse
 import sys
 from pathlib import Path
 
+from v4engine.runtime.engine import BUILT_LIMIT_DEFAULTS
 from v4engine.runtime.errors import V4EngineError
+
+from .backends import TENSORRT_OPTIMIZATION_LEVEL
 
 
 def _make_tiny(args: argparse.Namespace) -> None:
@@ -112,15 +115,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
                    help="activation dtype of the graphs: fp32 (default; what the CPU runs exactly), fp16, or bf16 "
                    "(GPU: the CPU execution provider has no bf16 kernels); hc mixes, sinks and softmaxes stay fp32")
-    p.add_argument("--max-batch", type=int, default=8, help="largest batch the graphs accept (default 8)")
-    p.add_argument("--max-seq-len", type=int, default=4096, help="longest sequence the engine serves (default 4096)")
-    p.add_argument("--max-prefill-chunk", type=int, default=512, help="most prompt tokens per engine call; the "
-                   "runtime prefills in chunks of this size, and TensorRT's prefill profile ends there (default 512)")
+    limits = BUILT_LIMIT_DEFAULTS
+    p.add_argument("--max-batch", type=int, default=limits["max_batch"],
+                   help=f"largest batch the graphs accept (default {limits['max_batch']})")
+    p.add_argument("--max-seq-len", type=int, default=limits["max_seq_len"],
+                   help=f"longest sequence the engine serves (default {limits['max_seq_len']})")
+    p.add_argument("--max-prefill-chunk", type=int, default=limits["max_prefill_chunk"],
+                   help="most prompt tokens per engine call; the runtime prefills in chunks of this size, and "
+                   f"TensorRT's prefill profile ends there (default {limits['max_prefill_chunk']})")
     p.add_argument("--onnx-only", action="store_true", help="tensorrt: prepare the graphs for TensorRT (plugin "
                    "nodes, profiles, engine.json) and stop before building engines; needs no TensorRT")
-    p.add_argument("--builder-optimization-level", type=int, choices=range(6), default=3, metavar="0-5",
+    p.add_argument("--builder-optimization-level", type=int, choices=range(6),
+                   default=TENSORRT_OPTIMIZATION_LEVEL, metavar="0-5",
                    help="tensorrt: TensorRT's builder optimization level (0 fastest build .. 5 most tactics; "
-                   "default 3)")
+                   f"default {TENSORRT_OPTIMIZATION_LEVEL})")
     p.add_argument("--timing-cache", type=Path, default=None, help="tensorrt: timing cache file, read if it exists "
                    "and written after the build, so that rebuilds skip tactic timing (default: timing.cache in "
                    "the engine directory, seeded from the one a --force rebuild replaces)")

@@ -21,7 +21,7 @@ import torch
 from v4engine.runtime.config import V4Config
 from v4engine.runtime.errors import ConfigError
 
-from .checkpoint import SAFETENSORS_DTYPES
+from .checkpoint import FP8_BLOCK, FP8_QUANTIZATION_CONFIG, MXFP4_BLOCK, SAFETENSORS_DTYPES
 from .model import Transformer
 from .tiny import stored_form, write_checkpoint_folder
 
@@ -39,8 +39,7 @@ _FLASH: dict[str, Any] = {
     "moe_intermediate_size": 2048, "scoring_func": "sqrtsoftplus", "topk_method": "noaux_tc", "norm_topk_prob": True,
     "routed_scaling_factor": 1.5, "swiglu_limit": 10.0, "num_nextn_predict_layers": 1, "hidden_act": "silu",
     "attention_bias": False, "expert_dtype": "fp4",
-    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "activation_scheme": "dynamic",
-                            "weight_block_size": [128, 128]},
+    "quantization_config": FP8_QUANTIZATION_CONFIG,
 }
 
 # V4-Pro's sizes are known only from a mirror of its config.json (V4_MODEL.md §1, §6) and its compress_ratios not
@@ -71,10 +70,10 @@ def release_tensors(raw: dict[str, Any]) -> dict[str, tuple[str, tuple[int, ...]
             out[name] = ("I64" if value.dtype == torch.int64 else "F32", shape)
         elif form == "mxfp4":
             out[name] = ("I8", shape[:-1] + (shape[-1] // 2,))
-            out[scale] = ("F8_E8M0", shape[:-1] + (shape[-1] // 32,))
+            out[scale] = ("F8_E8M0", shape[:-1] + (shape[-1] // MXFP4_BLOCK,))
         elif form == "fp8":
             out[name] = ("F8_E4M3", shape)
-            out[scale] = ("F8_E8M0", tuple(-(-d // 128) for d in shape))
+            out[scale] = ("F8_E8M0", tuple(-(-d // FP8_BLOCK) for d in shape))
         else:
             out[name] = (float_dtype, shape)
     return out

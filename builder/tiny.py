@@ -21,7 +21,7 @@ from v4engine.runtime.config import V4Config
 from v4engine.runtime.errors import ConfigError
 from v4engine.runtime.staging import staged_folder
 
-from .checkpoint import quantize_fp8_block, quantize_mxfp4
+from .checkpoint import FP8_QUANTIZATION_CONFIG, quantize_fp8_block, quantize_mxfp4
 from .model import Transformer
 from .model.v4 import FP32_PARAMETERS
 
@@ -190,8 +190,7 @@ def save_checkpoint(model: Transformer, raw: dict[str, Any], out: str | Path, qu
         tensors = {official_to_hf_name(k): v for k, v in tensors.items()}
         raw = hf_config(raw)
     if quantize:
-        raw["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
-                                      "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+        raw["quantization_config"] = FP8_QUANTIZATION_CONFIG
         raw["expert_dtype"] = "fp4" if quantize == "mxfp4" else "fp8"
 
     def write_shard(path: Path, names: list[str]) -> int:

@@ -32,7 +32,7 @@ from onnx import TensorProto, helper, numpy_helper
 from v4engine.runtime.config import V4Config
 from v4engine.runtime.engine import WeightFile
 
-from .checkpoint import Checkpoint, TensorInfo
+from .checkpoint import FP8_BLOCK, MXFP4_BLOCK, Checkpoint, TensorInfo
 from .export import rope_table
 
 _ONNX_TYPE = {"F32": TensorProto.FLOAT, "F16": TensorProto.FLOAT16, "BF16": TensorProto.BFLOAT16,
@@ -44,8 +44,6 @@ _TORCH_OF_ONNX = {TensorProto.FLOAT: torch.float32, TensorProto.FLOAT16: torch.f
 _BITS = {2: torch.int16, 4: torch.int32}          # reinterpret floats as bits numpy can hold (bf16 has no numpy type)
 CONVERTED = "weights/converted.bin"
 ALIGN = 64
-FP8_BLOCK = 128
-MXFP4_BLOCK = 32
 
 
 def _external(name: str, onnx_type: int, shape: tuple[int, ...], location: str, offset: int, length: int
@@ -216,8 +214,7 @@ class _Attacher:
 
 
 def attach_weights(proto: onnx.ModelProto, ckpt: Checkpoint, cfg: V4Config, writer: WeightWriter,
-                   prefix: str = "model.", quantized_in_place: frozenset[str] = frozenset({"fp8_block"})
-                   ) -> dict[str, int]:
+                   quantized_in_place: frozenset[str], prefix: str = "model.") -> dict[str, int]:
     """Give every initializer its bytes (see module doc). Returns counts per treatment.
 
     quantized_in_place: the quantized formats ("fp8_block", "mxfp4") the backend keeps quantized in place behind a

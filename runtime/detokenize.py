@@ -9,9 +9,10 @@ earlier pieces released. Until the sequence is final, a piece also holds back
   runtime stops generating as soon as one appears, and the text ends before it).
 Because what was held back is released by a later piece, the pieces join to `final_text(...)`.
 
-The same function serves a stateless caller (Triton's postprocessing step sees every response on its own) and
-the stateful IncrementalDetokenizer (`v4generate --stream`). Each piece decodes the sequence once more: the
-tokenizers library decodes thousands of tokens in well under a millisecond.
+A stateless caller (Triton's postprocessing step sees every response on its own) gets its piece from
+`text_piece`, which decodes the sequence before and after the new tokens; the stateful IncrementalDetokenizer
+(`v4generate --stream`) remembers what it released and decodes once per piece. The tokenizers library decodes
+thousands of tokens in well under a millisecond.
 """
 from __future__ import annotations
 
@@ -65,10 +66,16 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, stop: Sequence[str] = ()):
         self.tokenizer, self.stop = tokenizer, tuple(stop)
         self.ids: list[int] = []
+        self.released = 0                                   # characters of the text released so far
 
     def add(self, ids: Sequence[int]) -> str:
         self.ids += [int(t) for t in ids]
-        return text_piece(self.tokenizer, self.ids, len(ids), self.stop)
+        return self._release(final=False)
 
     def finish(self) -> str:
-        return text_piece(self.tokenizer, self.ids, 0, self.stop, final=True)
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        text = releasable(self.tokenizer.decode(self.ids), self.stop, final)
+        piece, self.released = text[self.released:], len(text)
+        return piece

@@ -19,6 +19,8 @@ from .errors import ConfigError, V4EngineError
 FORMAT = "v4engine"
 FORMAT_VERSION = 1
 MANIFEST = "engine.json"
+# Serving limits a build records in engine.json (build.*), and what they are when an engine does not say.
+BUILT_LIMIT_DEFAULTS = {"max_batch": 8, "max_seq_len": 4096, "max_prefill_chunk": 512}
 BACKENDS = ("onnxruntime", "tensorrt", "migraphx")
 
 
@@ -82,6 +84,11 @@ class EngineManifest:
     checkpoint: dict[str, Any] = field(default_factory=dict)
     tools: dict[str, str] = field(default_factory=dict)
     build: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def limits(self) -> dict[str, int]:
+        """The serving limits the engine was built for (engine.json build; an engine without them, the defaults)."""
+        return {name: int(self.build.get(name, default)) for name, default in BUILT_LIMIT_DEFAULTS.items()}
 
     # ------------------------------------------------------------------ cache accounting
     def cache_groups(self, part: str) -> list[CacheGroup]:

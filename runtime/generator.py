@@ -33,6 +33,11 @@ def load_tokenizer(engine_dir: str | Path):
     return Tokenizer.from_file(str(path))
 
 
+def encode_text(tokenizer, text: str) -> list[int]:
+    """A prompt's token ids: the text as it is, no special tokens added (the prompt says what it holds)."""
+    return tokenizer.encode(text, add_special_tokens=False).ids
+
+
 @dataclass
 class GenerationResult:
     prompt_token_ids: list[int]
@@ -59,18 +64,18 @@ class Generator:
         """Open an engine directory. mtp (<= the engine's k, 0 disables drafting) defaults to the engine's.
 
         providers: ONNX Runtime execution providers, e.g. ["CUDAExecutionProvider", "CPUExecutionProvider"] with
-        onnxruntime-gpu installed (default: the CPU). max_batch and max_prefill_chunk (prompt tokens per engine
-        call) default to the engine's; TensorRT and MIGraphX engines were built for shapes up to those, so larger
-        values are refused here rather than in the middle of a generation."""
+        onnxruntime-gpu installed (default: the CPU). max_batch, max_seq_len and max_prefill_chunk (prompt tokens per
+        engine call) default to the engine's; TensorRT and MIGraphX engines were built for shapes up to those, so
+        larger values are refused here rather than in the middle of a generation."""
         path = Path(path)
         manifest = EngineManifest.read(path)
         if backend is not None and backend != manifest.backend:
             raise RequestError(f"{path} is a {manifest.backend} engine; it cannot run on backend {backend!r}")
-        built = {"max_batch": manifest.build.get("max_batch", 8), "max_prefill_chunk":
-                 manifest.build.get("max_prefill_chunk", 512)}
-        max_batch, max_prefill_chunk = max_batch or built["max_batch"], max_prefill_chunk or built["max_prefill_chunk"]
+        built = manifest.limits
+        asked = {"max_batch": max_batch or built["max_batch"], "max_seq_len": max_seq_len or built["max_seq_len"],
+                 "max_prefill_chunk": max_prefill_chunk or built["max_prefill_chunk"]}
         if manifest.backend in SHAPE_SPECIALIZED:
-            for name, value in (("max_batch", max_batch), ("max_prefill_chunk", max_prefill_chunk)):
+            for name, value in asked.items():
                 if value > built[name]:
                     raise RequestError(f"{path}: {name} {value} exceeds the {built[name]} this {manifest.backend} "
                                        "engine was built for (rebuild with a larger one)")
@@ -78,13 +83,11 @@ class Generator:
         if not 0 <= mtp <= manifest.mtp:
             raise RequestError(f"mtp must be between 0 and the engine's {manifest.mtp} (got {mtp})")
         options = {k: v for k, v in (("threads", threads), ("providers", providers)) if v}
-        if mtp and manifest.backend == "onnxruntime":
+        if mtp:
             options["alternating"] = True                  # target and draft calls take turns on the same cores
         target = open_session(path, manifest, "target", **options)
         draft = open_session(path, manifest, "draft", **options) if mtp else None
-        scheduler = Scheduler(manifest, target, draft, mtp, max_batch=max_batch,
-                              max_seq_len=max_seq_len or manifest.build.get("max_seq_len", 4096),
-                              max_cache_bytes=max_cache_bytes, max_prefill_chunk=max_prefill_chunk)
+        scheduler = Scheduler(manifest, target, draft, mtp, max_cache_bytes=max_cache_bytes, **asked)
         return cls(path, manifest, scheduler, load_tokenizer(path))
 
     # ------------------------------------------------------------------ prompts and text
@@ -92,11 +95,8 @@ class Generator:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError(f"{self.engine_dir} has no tokenizer.json; pass token ids instead of text")
-            return self.tokenizer.encode(prompt, add_special_tokens=False).ids
+            return encode_text(self.tokenizer, prompt)
         return [int(t) for t in prompt]
-
-    def decode(self, ids: list[int]) -> str | None:
-        return self.tokenizer.decode(ids) if self.tokenizer is not None else None
 
     def submit(self, prompt: Prompt, sampling: SamplingParams) -> Request:
         """Queue one request in the scheduler (stop strings included); the caller steps the scheduler."""

@@ -160,10 +160,7 @@ class ServingLoop:
             result = self.scheduler.step()
         except Exception as e:                             # noqa: BLE001 - every live request gets the error
             for stream in list(self._live.values()):
-                self.scheduler.cancel(stream.request)
-                del self._live[stream.request.id]
-                self._release()
-                stream._put(e)
+                self._end(stream, cancel=True, error=e)
             return
         now = time.perf_counter()
         finished = {r.id for r in result.finished}
@@ -173,12 +170,14 @@ class ServingLoop:
         for r in result.finished:
             self._end(self._live[r.id], tokens=result.new_tokens.get(r.id, []), now=now)
 
-    def _end(self, stream: Stream, cancel: bool = False, tokens: Sequence[int] = (), now: float | None = None) -> None:
+    def _end(self, stream: Stream, cancel: bool = False, tokens: Sequence[int] = (), now: float | None = None,
+             error: BaseException | None = None) -> None:
+        """The request leaves the scheduler; its stream gets a last update, or the error that ended it."""
         if cancel:
             self.scheduler.cancel(stream.request)
         del self._live[stream.request.id]
         self._release()
-        stream._put(Update(list(tokens), True, now or time.perf_counter()))
+        stream._put(error if error is not None else Update(list(tokens), True, now or time.perf_counter()))
 
     def _release(self) -> None:
         with self._lock:

@@ -79,6 +79,7 @@ from v4engine.plugins.kernels import compressor as compressor_kernels  # noqa: E
 from v4engine.plugins.kernels import indexer as indexer_kernels  # noqa: E402
 from v4engine.plugins.kernels.aot import HIDDEN_PARAMS  # noqa: E402
 from v4engine.plugins.kernels.launch import LaunchPlan, compile_plan, interpreting, launch  # noqa: E402
+from v4engine.plugins.tensorrt.plugins import device_target  # noqa: E402
 
 ATTENTION = ("sliding_attention", "hca_attention", "csa_attention")
 OPS = ATTENTION + ("indexer_topk", "hca_compress", "csa_compress")
@@ -713,9 +714,11 @@ def environment(device: torch.device) -> dict[str, Any]:
 
 
 def aot_target(device: torch.device) -> str | None:
-    """compile_plan's target for this GPU: sm90 (H100/H200), sm100 (B200); None for others."""
-    major, minor = torch.cuda.get_device_capability(device)
-    return {(9, 0): "sm90", (10, 0): "sm100"}.get((major, minor))
+    """compile_plan's target for this GPU, as the plugins pick it (sm90: H100/H200, sm100: B200); None for others."""
+    try:
+        return device_target(torch.cuda.get_device_capability(device))
+    except ValueError:
+        return None
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -311,9 +311,9 @@ def test_without_tensorrt_a_full_build_fails_at_once(tiny_checkpoint, tmp_path):
     assert not (tmp_path / "e").exists() and not list(tmp_path.iterdir())
 
 
-def test_the_runtime_refuses_batches_and_chunks_beyond_the_profiles(prepared):
+def test_the_runtime_refuses_batches_lengths_and_chunks_beyond_the_profiles(prepared):
     _, engine = prepared("fp8")
-    for option, value in (("max_batch", 5), ("max_prefill_chunk", 17)):
+    for option, value in (("max_batch", 5), ("max_seq_len", 257), ("max_prefill_chunk", 17)):
         with pytest.raises(RequestError, match=f"{option} {value} exceeds the {value - 1} this tensorrt engine"):
             Generator.from_engine_dir(engine, **{option: value})
 

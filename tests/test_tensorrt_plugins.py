@@ -224,7 +224,7 @@ def graphs() -> dict[str, onnx.ModelProto]:
     out = {}
     for name, dtype in (("target", torch.bfloat16), ("draft", torch.float32)):
         proto = serialize_without_data(export_graph(cfg, draft=name == "draft", dtype=dtype))
-        add_functions(proto, cfg)
+        add_functions(proto)
         out[name] = proto
     return out
 

@@ -43,7 +43,7 @@ def render(engine_dir: str | Path, out: str | Path, *, gpu: bool = False, max_ba
     manifest = EngineManifest.read(engine_dir)
     if not (engine_dir / "tokenizer.json").is_file():
         raise RenderError(f"{engine_dir}: no tokenizer.json; the repository tokenizes text_input with it")
-    built_batch = int(manifest.build.get("max_batch", 8))
+    built_batch = manifest.limits["max_batch"]
     max_batch = built_batch if max_batch is None else max_batch
     limits = (("max_batch", max_batch, 1, built_batch), ("max_queue_size", max_queue_size, 0, None),
               ("instance_count", instance_count, 1, None))
@@ -58,7 +58,7 @@ def render(engine_dir: str | Path, out: str | Path, *, gpu: bool = False, max_ba
     if not out.parent.is_dir():
         raise RenderError(f"{out.parent}: no such folder")
     try:
-        options = Options(engine_dir=str(engine_dir), max_seq_len=int(manifest.build.get("max_seq_len", 4096)),
+        options = Options(engine_dir=str(engine_dir), max_seq_len=manifest.limits["max_seq_len"],
                           max_batch=max_batch, max_queue_size=max_queue_size, instance_count=instance_count, gpu=gpu)
         configs = model_configs(options)
     except ValueError as e:

@@ -142,8 +142,7 @@ def python_model(model: Model, options: Options) -> str:
     if model is PREPROCESSING:
         values["max_seq_len"] = options.max_seq_len
     if generate:
-        values.update(max_seq_len=options.max_seq_len, max_batch=options.max_batch,
-                      max_queue_size=options.max_queue_size)
+        values.update(max_batch=options.max_batch, max_queue_size=options.max_queue_size)
         if options.gpu:
             values["providers"] = "CUDAExecutionProvider,CPUExecutionProvider"
     return text + parameters(values)

@@ -14,6 +14,7 @@ from v4engine.runtime.engine import EngineManifest
 # and MIGraphX reads neither FLOAT8E4M3FN nor blocked DequantizeLinear at its opset 19.
 QUANTIZED_IN_PLACE = {"onnxruntime": frozenset({"fp8_block"}), "tensorrt": frozenset({"fp8_block", "mxfp4"}),
                       "migraphx": frozenset()}
+TENSORRT_OPTIMIZATION_LEVEL = 3              # --builder-optimization-level's default, TensorRT's own
 
 
 def preflight(backend: str, onnx_only: bool) -> None:

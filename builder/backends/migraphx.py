@@ -2,13 +2,12 @@
 
 MIGraphX's parser (read from its sources: migraphx_ops.json names the release) dispatches on op_type alone, never
 reads model-local functions, documents opsets up to 19 and rejects FLOAT8E4M3FN tensors. So for each graph:
-1. the v4 op functions are inlined (onnx.inliner): the engine runs their standard-op bodies;
-2. ops the parser lacks are rewritten into ones it has: the exporter's SplitToSequence + SequenceAt become one
-   Split (the only such pair in our graphs; `check` names any other);
-3. quantized weights arrive dequantized (the builder's QUANTIZED_IN_PLACE policy gives MIGraphX none), so no
+1. the v4 op functions are inlined (onnx.inliner): the engine runs their standard-op bodies, all of them ops
+   the parser has (the export itself avoids the sequence ops torch.split would give: model/v4.py slices);
+2. quantized weights arrive dequantized (the builder's QUANTIZED_IN_PLACE policy gives MIGraphX none), so no
    FLOAT8E4M3FN tensor and no blocked DequantizeLinear remain;
-4. the opset is lowered to 19 (`lower_opset`), and onnx.checker and strict shape inference prove it;
-5. `check` compares every op, tensor type and the opset with the allowlist and fails the build with one line
+3. the opset is lowered to 19 (`lower_opset`), and onnx.checker and strict shape inference prove it;
+4. `check` compares every op, tensor type and the opset with the allowlist and fails the build with one line
    naming every offender.
 Then, where the `migraphx` module imports, each graph is parsed and compiled once per optimization profile
 (dynamic dims from the profile's min/opt/max) and saved as `{graph}.{profile}.mxr`; elsewhere the engine folder gets
@@ -23,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import onnx
-from onnx import helper, inliner
+from onnx import inliner
 
 from v4engine.runtime.engine import EngineManifest
 from v4engine.runtime.errors import V4EngineError
@@ -43,38 +42,6 @@ class MIGraphXCheckError(V4EngineError):
 def allowlist() -> dict[str, Any]:
     """migraphx_ops.json: the parser's ops, accepted and rejected types, documented opset, and their source."""
     return json.loads(ALLOWLIST.read_text())
-
-
-def split_sequences(graph: onnx.GraphProto) -> int:
-    """Each SplitToSequence whose SequenceAt readers use constant positions -> one Split; returns how many."""
-    nodes = list(graph.node)
-    constants = {n.output[0]: onnx.numpy_helper.to_array(n.attribute[0].t) for n in nodes
-                 if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"}
-    readers: dict[str, list[int]] = {}                     # value -> the nodes that read it
-    for i, node in enumerate(nodes):
-        for value in node.input:
-            readers.setdefault(value, []).append(i)
-    outputs = {o.name for o in graph.output}
-    replaced: dict[int, onnx.NodeProto] = {}
-    for i, node in enumerate(nodes):
-        if node.op_type != "SplitToSequence" or len(node.input) < 2 or node.input[1] not in constants:
-            continue
-        sizes = constants[node.input[1]]
-        users = readers.get(node.output[0], [])
-        if sizes.ndim != 1 or node.output[0] in outputs or not all(      # only constant-position SequenceAt reads
-                nodes[u].op_type == "SequenceAt" and nodes[u].input[1] in constants for u in users):
-            continue
-        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
-        parts = [f"{node.output[0]}.{k}" for k in range(len(sizes))]
-        replaced[i] = helper.make_node("Split", [node.input[0], node.input[1]], parts, axis=axis,
-                                       name=f"{node.name}.split")
-        for u in users:
-            index = int(constants[nodes[u].input[1]]) % len(sizes)
-            replaced[u] = helper.make_node("Identity", [parts[index]], list(nodes[u].output), name=nodes[u].name)
-    if replaced:
-        del graph.node[:]
-        graph.node.extend(replaced.get(i, node) for i, node in enumerate(nodes))
-    return sum(1 for node in replaced.values() if node.op_type == "Split")
 
 
 def lower_opset(model: onnx.ModelProto, opset: int) -> None:
@@ -130,7 +97,7 @@ def check(model: onnx.ModelProto, path: Path) -> None:
 
 
 def prepare_variant(path: Path, weight_files: dict[str, int]) -> dict[str, Any]:
-    """Rewrite the portable graph at `path` into the MIGraphX variant (steps 1-5 of the module doc), in place.
+    """Rewrite the portable graph at `path` into the MIGraphX variant (steps 1-4 of the module doc), in place.
     weight_files: the engine's weight files and sizes (the checker's stand-ins, as in the build)."""
     from ..build import check_graph
     model = onnx.load(str(path), load_external_data=False)
@@ -139,12 +106,11 @@ def prepare_variant(path: Path, weight_files: dict[str, int]) -> dict[str, Any]:
     kept = [o for o in model.opset_import if o.domain in ("", "ai.onnx")]
     del model.opset_import[:]
     model.opset_import.extend(kept)
-    splits = split_sequences(model.graph)
     lower_opset(model, allowlist()["max_opset"])
     check_graph(model, weight_files)
     check(model, path)
     onnx.save(model, str(path))
-    return {"nodes": len(model.graph.node), "opset": allowlist()["max_opset"], "splits_rewritten": splits}
+    return {"nodes": len(model.graph.node), "opset": allowlist()["max_opset"]}
 
 
 def compile_programs(engine_dir: Path, manifest: EngineManifest, migraphx: Any,

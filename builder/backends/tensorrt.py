@@ -31,7 +31,6 @@ from v4engine.runtime.profiles import Profile
 
 from .profiles import as_record, engine_profiles
 
-DEFAULT_OPTIMIZATION_LEVEL = 3
 TIMING_CACHE = "timing.cache"
 
 
@@ -108,9 +107,8 @@ def build_plan(trt: Any, onnx_path: Path, plan_path: Path, graph_profiles: list[
             "seconds": round(time.perf_counter() - started, 1)}
 
 
-def compile_engine(engine_dir: Path, manifest: EngineManifest, onnx_only: bool = False,
-                   optimization_level: int = DEFAULT_OPTIMIZATION_LEVEL, timing_cache: Path | None = None,
-                   replaced: Path | None = None) -> dict[str, Any]:
+def compile_engine(engine_dir: Path, manifest: EngineManifest, onnx_only: bool, optimization_level: int,
+                   timing_cache: Path | None, replaced: Path | None) -> dict[str, Any]:
     """Prepare every graph, and build its engine unless onnx_only; returns engine.json's `build.compile`.
 
     timing_cache: a cache kept across builds (--timing-cache); default: `timing.cache` in the engine, seeded from
@@ -136,4 +134,4 @@ def compile_engine(engine_dir: Path, manifest: EngineManifest, onnx_only: bool =
 
 
 __all__ = ["prepare_onnx", "check_installed", "build_plan", "compile_engine",
-           "TensorRTBuildError", "DEFAULT_OPTIMIZATION_LEVEL"]
+           "TensorRTBuildError"]

@@ -22,11 +22,9 @@ class TensorRTNotInstalled(ImportError):
     """TensorRT cannot be imported here, or is older than MIN_TENSORRT."""
 
 
-def register_plugins(target: str | None = None) -> None:
-    """Register the v4 plugins with TensorRT's plugin registry; later calls do nothing.
-
-    target: the GPU the AOT kernels are compiled for (a plugins/kernels/launch.py TARGETS name); default: the
-    GPU of this machine.
+def register_plugins() -> None:
+    """Register the v4 plugins with TensorRT's plugin registry; later calls do nothing. The AOT kernels are
+    compiled for this machine's GPU, as TensorRT builds its engines for it.
 
     Caveat: tensorrt.plugin (11.1 sources) turns an int or float attribute's plugin field, a 1-element array,
     into a Python number with int(array), which NumPy 2.4 refuses (TypeError: only 0-dimensional arrays...):
@@ -42,7 +40,7 @@ def register_plugins(target: str | None = None) -> None:
     if not _registered:
         from .plugins import define
 
-        define(trtp, trt, target)
+        define(trtp, trt)
         _registered = True
 
 

@@ -1,7 +1,7 @@
 """preprocessing: the request as the client sent it -> prompt ids and stop strings for v4_generate.
 
-The prompt is `text_input` (UTF-8, tokenized with the engine's tokenizer.json, no special tokens added: as
-`v4engine.runtime.Generator.encode` does) or `input_ids` (token ids as given; v4_generate checks them against the
+The prompt is `text_input` (UTF-8, tokenized with the engine's tokenizer.json by the runtime's own
+`v4engine.runtime.generator.encode_text`) or `input_ids` (token ids as given; v4_generate checks them against the
 vocabulary). `stop` strings are checked to be UTF-8 and empty ones dropped. What cannot be served is refused here
 with one line naming the input: no prompt or two, text that is not UTF-8, `max_tokens` <= 0 or beyond the
 engine's max_seq_len. (`max_tokens` also keeps this step from ever having no input at all, which Triton 2.51
@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from v4engine.runtime.generator import load_tokenizer
+from v4engine.runtime.generator import encode_text, load_tokenizer
 from v4engine.runtime.sampling import RequestError
 
 from . import io
@@ -46,7 +46,7 @@ class TritonPythonModel:
         if text:
             if len(text) != 1:
                 raise RequestError(f"text_input must hold one prompt (got {len(text)})")
-            prompt = self.tokenizer.encode(text[0], add_special_tokens=False).ids
+            prompt = encode_text(self.tokenizer, text[0])
         else:
             prompt = ids.tolist()
         stop = [s.encode() for s in io.strings(request, "stop") if s]

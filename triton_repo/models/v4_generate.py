@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+from dataclasses import fields
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -30,11 +31,12 @@ from v4engine.runtime.sampling import RequestError, SamplingParams
 from v4engine.runtime.scheduler import Request
 from v4engine.runtime.serving import ServingLoop, Stream
 
+from ..config import SAMPLING
 from . import io
 from .relay import CancelRelay
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-SETTINGS = ("temperature", "top_p", "top_k", "seed", "num_draft_tokens", "ignore_eos")   # SamplingParams' names
+SETTINGS = tuple(t.name for t in SAMPLING if t.name in {f.name for f in fields(SamplingParams)})   # passed on as is
 
 
 class Metrics:
@@ -84,7 +86,7 @@ class TritonPythonModel:
             providers = [(n, {"device_id": args["model_instance_device_id"]}) if n == "CUDAExecutionProvider"
                          else n for n in names]
         generator = Generator.from_engine_dir(params["engine_dir"], max_batch=int(params["max_batch"]),
-                                              max_seq_len=int(params["max_seq_len"]), providers=providers)
+                                              providers=providers)
         self.metrics = Metrics({"model": args["model_name"], "version": args["model_version"]},
                                positions=generator.scheduler.mtp)
         self.exported = (0, 0, 0)                      # engine steps, waiting, running: as last exported

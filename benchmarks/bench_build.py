@@ -70,11 +70,11 @@ def write_checkpoint(raw: dict, out: Path) -> None:
     write_checkpoint_folder(out, raw, list(shapes), 8, write_shard)
 
 
-def timed_build(checkpoint: Path, output: Path) -> tuple[float, float]:
-    """(wall seconds, peak RSS in MiB) of one `v4build` process (its own rusage, from wait4)."""
+def timed_build(checkpoint: Path, output: Path, *flags: str) -> tuple[float, float]:
+    """(wall seconds, peak RSS in MiB) of one `v4build` process with `flags` (its own rusage, from wait4)."""
     started = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "v4engine.builder.cli", "--checkpoint", str(checkpoint),
-                             "--output", str(output), "--mtp", "1", "--quiet"], stdout=subprocess.DEVNULL)
+                             "--output", str(output), *flags, "--quiet"], stdout=subprocess.DEVNULL)
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - started
     if os.waitstatus_to_exitcode(status) != 0:
@@ -102,7 +102,7 @@ def main() -> None:
         # peak (the child's rusage counts the memory it shares with the parent until exec).
         subprocess.run([sys.executable, __file__, "--write", json.dumps(raw), str(checkpoint)], check=True)
         total = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
-        wall, peak = timed_build(checkpoint, work / f"engine-{size}")
+        wall, peak = timed_build(checkpoint, work / f"engine-{size}", "--mtp", "1")
         rows.append((total / 1e9, raw["hidden_size"], wall, peak))
         shutil.rmtree(checkpoint)
         shutil.rmtree(work / f"engine-{size}")

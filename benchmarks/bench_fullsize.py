@@ -13,16 +13,16 @@
 from __future__ import annotations
 
 import argparse
-import json
-import resource
 import shutil
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
 import onnx
+from bench_build import timed_build
+
+from v4engine.runtime.engine import EngineManifest
 
 QUANTIZED = {onnx.TensorProto.FLOAT8E4M3FN: "FP8", onnx.TensorProto.FLOAT4E2M1: "FP4"}
 
@@ -38,12 +38,12 @@ def disk_bytes(folder: Path) -> tuple[int, int]:
     return apparent, used
 
 
-def weight_sources(engine: Path, manifest: dict) -> dict[str, Counter]:
+def weight_sources(engine: Path, manifest: EngineManifest) -> dict[str, Counter]:
     """Per graph: initializer counts by (source, type), where source is in place / converted / inline."""
-    linked = {w["file"] for w in manifest["weights"]["files"] if w["link"] != "converted"}
+    linked = {w.file for w in manifest.weights if w.link != "converted"}
     out = {}
-    for graph, entry in manifest["graphs"].items():
-        model = onnx.load(str(engine / entry["file"]), load_external_data=False)
+    for graph, entry in manifest.graphs.items():
+        model = onnx.load(str(engine / entry.file), load_external_data=False)
         counts: Counter = Counter()
         for t in model.graph.initializer:
             kind = QUANTIZED.get(t.data_type, onnx.TensorProto.DataType.Name(t.data_type))
@@ -53,9 +53,9 @@ def weight_sources(engine: Path, manifest: dict) -> dict[str, Counter]:
             location = next(e.value for e in t.external_data if e.key == "location")
             source = "in place" if location in linked else "converted"
             if source == "converted" and not t.name.endswith(".scale"):
-                raise SystemExit(f"{engine / entry['file']}: {t.name} ({kind}) was converted, not referenced in place")
+                raise SystemExit(f"{engine / entry.file}: {t.name} ({kind}) was converted, not referenced in place")
             if kind in QUANTIZED.values() and source != "in place":
-                raise SystemExit(f"{engine / entry['file']}: quantized {t.name} is not in place")
+                raise SystemExit(f"{engine / entry.file}: quantized {t.name} is not in place")
             counts[source, kind] += 1
         out[graph] = counts
     return out
@@ -73,34 +73,31 @@ def main() -> int:
     args.work.mkdir(parents=True, exist_ok=True)
     subprocess.run([bin_dir / "v4build", "make-release", str(checkpoint), "--release", args.release], check=True)
     shutil.rmtree(engine, ignore_errors=True)
-    started = time.perf_counter()
-    subprocess.run([bin_dir / "v4build", "--checkpoint", str(checkpoint), "--output", str(engine), "--backend",
-                    "tensorrt", "--onnx-only", "--mtp", str(args.mtp), "--dtype", args.dtype], check=True)
-    wall = time.perf_counter() - started
-    peak_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024    # the largest child: the build
-    manifest = json.loads((engine / "engine.json").read_text())
+    wall, peak_mib = timed_build(checkpoint, engine, "--backend", "tensorrt", "--onnx-only", "--mtp", str(args.mtp),
+                                 "--dtype", args.dtype)
+    manifest = EngineManifest.read(engine)
     ckpt_apparent, ckpt_used = disk_bytes(checkpoint)
-    graphs_apparent = sum((engine / g["file"]).stat().st_size for g in manifest["graphs"].values())
-    converted = next((w["bytes"] for w in manifest["weights"]["files"] if w["link"] == "converted"), 0)
+    graphs_apparent = sum((engine / g.file).stat().st_size for g in manifest.graphs.values())
+    converted = next((w.bytes for w in manifest.weights if w.link == "converted"), 0)
     print(f"\n## {args.release}: v4build --backend tensorrt --onnx-only --mtp {args.mtp} --dtype {args.dtype}\n")
     print("| measure | value |\n|---|---|")
     print(f"| wall time | {wall:.0f} s |")
-    print(f"| peak RSS | {peak_rss / 2**30:.2f} GiB |")
-    stages = ", ".join(f"{k} {v:.0f} s" for k, v in manifest["build"]["stages"].items())
+    print(f"| peak RSS | {peak_mib / 1024:.2f} GiB |")
+    stages = ", ".join(f"{k} {v:.0f} s" for k, v in manifest.build["stages"].items())
     print(f"| stages | {stages} |")
-    print(f"| checkpoint | {manifest['checkpoint']['tensors']} tensors, {ckpt_apparent / 1e9:.1f} GB apparent, "
+    print(f"| checkpoint | {manifest.checkpoint['tensors']} tensors, {ckpt_apparent / 1e9:.1f} GB apparent, "
           f"{ckpt_used / 2**20:.0f} MiB on disk |")
-    sizes = ", ".join(f"{name}.onnx {(engine / g['file']).stat().st_size / 2**20:.0f} MiB"
-                      for name, g in manifest["graphs"].items())
+    sizes = ", ".join(f"{name}.onnx {(engine / g.file).stat().st_size / 2**20:.0f} MiB"
+                      for name, g in manifest.graphs.items())
     print(f"| graphs | {sizes} ({graphs_apparent / 2**20:.0f} MiB) |")
     print(f"| converted.bin | {converted / 2**20:.0f} MiB (FP8 block scales as float rows) |")
-    print(f"| weight treatments | {manifest['build']['weights']} |")
+    print(f"| weight treatments | {manifest.build['weights']} |")
     for graph, counts in weight_sources(engine, manifest).items():
         listed = ", ".join(f"{source} {kind}: {n}" for (source, kind), n in sorted(counts.items()))
         print(f"| {graph} initializers | {listed} |")
-    print(f"| TensorRT | {manifest['build']['compile']['tensorrt']} |")
+    print(f"| TensorRT | {manifest.build['compile']['tensorrt']} |")
     listed = "; ".join(f"{graph}: " + ", ".join(p["name"] for p in ps)
-                       for graph, ps in manifest["build"]["compile"]["profiles"].items())
+                       for graph, ps in manifest.build["compile"]["profiles"].items())
     print(f"| profiles | {listed} |")
     return 0
 

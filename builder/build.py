@@ -14,6 +14,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import onnx
 import torch
@@ -26,8 +27,8 @@ from v4engine.runtime.engine import BUILT_LIMIT_DEFAULTS, EngineManifest, GraphE
 from v4engine.runtime.errors import V4EngineError
 from v4engine.runtime.staging import staged_folder
 
-from .backends import QUANTIZED_IN_PLACE, TENSORRT_OPTIMIZATION_LEVEL, compile_engine, preflight
-from .export import export_graph, graph_specs
+from .backends import QUANTIZED_IN_PLACE, TENSORRT_OPTIMIZATION_LEVEL, compile_engine, preflight, prepare_graph
+from .export import export_graph, graph_specs, split_sequences
 from .load import open_checkpoint
 from .weights import WeightWriter, attach_weights, serialize_without_data
 
@@ -105,20 +106,25 @@ class StageClock:
 
 
 def _write_graph(tmp: Path, name: str, options: BuildOptions, cfg, ckpt, writer: WeightWriter, clock: StageClock
-                 ) -> dict[str, int]:
+                 ) -> tuple[dict[str, int], Any]:
+    """Export, attach weights, prepare for the backend, check and save one graph: (weight counts, what the
+    backend's preparation recorded)."""
     draft = name == "draft"
     model = export_graph(cfg, draft=draft, dtype=DTYPES[options.dtype], max_batch=options.max_batch,
                          max_seq_len=options.max_seq_len)
     proto = serialize_without_data(model)
+    split_sequences(proto.graph)
     clock.lap("export")
     counts = attach_weights(proto, ckpt, cfg, writer, quantized_in_place=QUANTIZED_IN_PLACE[options.backend])
     add_functions(proto)
     clock.lap("weights")
+    proto, prepared = prepare_graph(options.backend, proto, name)
+    clock.lap("prepare")
     check_graph(proto, {w.file: w.bytes for w in writer.files()})
     clock.lap("check")
     onnx.save(proto, tmp / f"{name}.onnx")
     clock.lap("save")
-    return counts
+    return counts, prepared
 
 
 def add_functions(proto: onnx.ModelProto) -> None:
@@ -174,8 +180,10 @@ def build(options: BuildOptions) -> EngineManifest:
         try:
             parts = ["target"] + (["draft"] if options.mtp > 0 else [])
             treatment: dict[str, int] = {}
+            prepared: dict[str, Any] = {}
             for name in tqdm(parts, desc="export", unit="graph", disable=not options.progress):
-                for k, v in _write_graph(tmp, name, options, cfg, ckpt, writer, clock).items():
+                counts, prepared[name] = _write_graph(tmp, name, options, cfg, ckpt, writer, clock)
+                for k, v in counts.items():
                     treatment[k] = treatment.get(k, 0) + v
             weights = writer.close()
             tokenizer = [f for f in TOKENIZER_FILES if (options.checkpoint / f).is_file()]
@@ -200,7 +208,7 @@ def build(options: BuildOptions) -> EngineManifest:
                        "max_prefill_chunk": options.max_prefill_chunk, "opset": OPSET, "weights": treatment})
             manifest.write(tmp)
             clock.lap("manifest")
-            manifest.build["compile"] = compile_engine(tmp, manifest, options)
+            manifest.build["compile"] = compile_engine(tmp, manifest, options, prepared)
             clock.lap("compile")
             manifest.build["stages"] = clock.seconds
             manifest.build["seconds"] = round(time.perf_counter() - started, 2)

@@ -15,8 +15,10 @@ from __future__ import annotations
 import logging
 import warnings
 
+import onnx
 import onnx_ir as ir
 import torch
+from onnx import helper
 from torch import nn
 from torch.export import Dim
 
@@ -133,4 +135,39 @@ def export_graph(cfg: V4Config, draft: bool, dtype: torch.dtype = torch.float32,
     return program.model
 
 
-__all__ = ["graph_specs", "export_graph", "rope_table"]
+
+def split_sequences(graph: onnx.GraphProto) -> int:
+    """The exporter writes torch.split as SplitToSequence + SequenceAt: each such pair whose readers use constant
+    positions becomes one Split (fewer nodes, and ops every backend parses: MIGraphX has no sequence ops).
+    Returns how many."""
+    nodes = list(graph.node)
+    constants = {n.output[0]: onnx.numpy_helper.to_array(n.attribute[0].t) for n in nodes
+                 if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"}
+    readers: dict[str, list[int]] = {}                     # value -> the nodes that read it
+    for i, node in enumerate(nodes):
+        for value in node.input:
+            readers.setdefault(value, []).append(i)
+    outputs = {o.name for o in graph.output}
+    replaced: dict[int, onnx.NodeProto] = {}
+    for i, node in enumerate(nodes):
+        if node.op_type != "SplitToSequence" or len(node.input) < 2 or node.input[1] not in constants:
+            continue
+        sizes = constants[node.input[1]]
+        users = readers.get(node.output[0], [])
+        if sizes.ndim != 1 or node.output[0] in outputs or not all(      # only constant-position SequenceAt reads
+                nodes[u].op_type == "SequenceAt" and nodes[u].input[1] in constants for u in users):
+            continue
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+        parts = [f"{node.output[0]}.{k}" for k in range(len(sizes))]
+        replaced[i] = helper.make_node("Split", [node.input[0], node.input[1]], parts, axis=axis,
+                                       name=f"{node.name}.split")
+        for u in users:
+            index = int(constants[nodes[u].input[1]]) % len(sizes)
+            replaced[u] = helper.make_node("Identity", [parts[index]], list(nodes[u].output), name=nodes[u].name)
+    if replaced:
+        del graph.node[:]
+        graph.node.extend(replaced.get(i, node) for i, node in enumerate(nodes))
+    return sum(1 for node in replaced.values() if node.op_type == "Split")
+
+
+__all__ = ["graph_specs", "export_graph", "rope_table", "split_sequences"]

@@ -58,7 +58,7 @@ class Request:
     drafts: list[int] = field(default_factory=list)
     draft_probs: list[np.ndarray] = field(default_factory=list)
     finish_reason: str | None = None
-    started: float = 0.0
+    arrival: float = field(default_factory=time.perf_counter)   # submitted: time to first token counts queueing
     stop_check: object = None          # callable(generated ids) -> bool, for stop strings (set by the Generator)
 
     @property
@@ -96,10 +96,15 @@ class Scheduler:
         self.engine_steps = 0
 
     # ------------------------------------------------------------------ requests
-    def cache_bytes(self, capacity: int) -> int:
-        """Bytes of every cache group one sequence of `capacity` tokens needs (engine.json's figures)."""
-        parts = ["target"] + (["draft"] if self.mtp else [])
+    def cache_bytes(self, capacity: int, drafts: int | None = None) -> int:
+        """Bytes of every cache group one sequence of `capacity` tokens needs (engine.json's figures); the draft
+        layer's only for a sequence that drafts (`drafts` per step, default the scheduler's mtp)."""
+        parts = ["target"] + (["draft"] if (self.mtp if drafts is None else drafts) else [])
         return sum(g.bytes_for(capacity) for part in parts for g in self.groups[part])
+
+    def drafts(self, params: SamplingParams) -> int:
+        """Draft tokens per step for a request: its num_draft_tokens, else the scheduler's mtp."""
+        return self.mtp if params.num_draft_tokens is None else params.num_draft_tokens
 
     @property
     def used_bytes(self) -> int:
@@ -121,7 +126,7 @@ class Scheduler:
             raise RequestError(f"the prompt has {len(prompt)} tokens; this engine serves at most "
                                f"{self.max_seq_len - 1} prompt tokens (max_seq_len {self.max_seq_len})")
         capacity = min(self.max_seq_len, len(prompt) + params.max_new_tokens + self.mtp + 1)
-        need = self.cache_bytes(capacity)
+        need = self.cache_bytes(capacity, self.drafts(params))
         if need > self.budget:
             raise CapacityError(f"the request needs {need} bytes of cache for {capacity} tokens, more than the "
                                 f"budget of {self.budget} bytes")
@@ -130,8 +135,8 @@ class Scheduler:
     def submit(self, prompt: list[int], params: SamplingParams) -> Request:
         """Validate and queue a request; a bad one raises RequestError and changes nothing."""
         capacity = self.validate(prompt, params)
-        need = self.cache_bytes(capacity)
-        drafts = self.mtp if params.num_draft_tokens is None else params.num_draft_tokens
+        drafts = self.drafts(params)
+        need = self.cache_bytes(capacity, drafts)
         request = Request(id=next(self._ids), prompt=[int(t) for t in prompt], params=params, capacity=capacity,
                           cache_bytes=need, metrics=RequestMetrics(mtp=drafts), num_drafts=drafts,
                           rng=np.random.default_rng(params.seed), tokens=[int(t) for t in prompt])
@@ -178,10 +183,9 @@ class Scheduler:
                 break
             self.waiting.pop(0)
             request.target = SequenceCache(self.cfg, self.groups["target"], request.capacity, self.dtype)
-            if self.mtp:
+            if request.num_drafts:                  # a request that does not draft needs no draft cache
                 request.draft = SequenceCache(self.cfg, self.groups["draft"], request.capacity + self.mtp, self.dtype)
             request.phase = Phase.PREFILL
-            request.started = time.perf_counter()
             self.active.append(request)
 
     def _run(self, session: EngineSession, feeds: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], float]:
@@ -276,7 +280,7 @@ class Scheduler:
                     r.pending_hidden.append(hidden)
                 if r.target.length == len(r.prompt):
                     r.phase = Phase.DECODE
-                    r.metrics.time_to_first_token = time.perf_counter() - r.started
+                    r.metrics.time_to_first_token = time.perf_counter() - r.arrival
                     token = self._sample(r, logits[-1])
                     self._emit(r, [token], new_tokens)
                 continue

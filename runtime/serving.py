@@ -47,7 +47,6 @@ class Stream:
     "length" or "cancelled" and `request.metrics` holds its acceptance figures."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, is_cancelled: Callable[[], bool] | None):
-        self.arrival = time.perf_counter()
         self.is_cancelled = is_cancelled
         self.request: Request | None = None           # set by the scheduler thread once queued there
         self._loop, self._updates = loop, asyncio.Queue()

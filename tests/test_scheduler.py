@@ -63,6 +63,15 @@ def test_cache_allocation_equals_the_engine_json_accounting(engine):
     assert r.target.nbytes == sum(g.bytes_for(r.capacity) for g in manifest.cache_groups("target"))
 
 
+def test_a_request_that_does_not_draft_gets_no_draft_cache_and_is_charged_none(engine):
+    gen = Generator.from_engine_dir(engine, mtp=3)
+    scheduler = gen.scheduler
+    plain = scheduler.submit(prompts(gen.manifest.model.vocab_size, [10])[0], SamplingParams(num_draft_tokens=0))
+    scheduler.step()
+    assert plain.draft is None and plain.cache_bytes == plain.target.nbytes == scheduler.used_bytes
+    assert plain.cache_bytes < scheduler.cache_bytes(plain.capacity)         # what a drafting request is charged
+
+
 def test_a_request_that_cannot_fit_is_refused_before_anything_runs(engine):
     probe = Generator.from_engine_dir(engine, mtp=3)
     one = probe.scheduler.cache_bytes(40 + 12 + 4)

@@ -3,7 +3,7 @@
 MIGraphX's parser (read from its sources: migraphx_ops.json names the release) dispatches on op_type alone, never
 reads model-local functions, documents opsets up to 19 and rejects FLOAT8E4M3FN tensors. So for each graph:
 1. the v4 op functions are inlined (onnx.inliner): the engine runs their standard-op bodies, all of them ops
-   the parser has (the export itself avoids the sequence ops torch.split would give: model/v4.py slices);
+   the parser has (the build already made the exporter's sequence ops one Split: export.split_sequences);
 2. quantized weights arrive dequantized (the builder's QUANTIZED_IN_PLACE policy gives MIGraphX none), so no
    FLOAT8E4M3FN tensor and no blocked DequantizeLinear remain;
 3. the opset is lowered to 19 (`lower_opset`), and onnx.checker and strict shape inference prove it;
@@ -87,30 +87,26 @@ def offenders(model: onnx.ModelProto) -> list[str]:
     return found
 
 
-def check(model: onnx.ModelProto, path: Path) -> None:
-    """MIGraphXCheckError naming every offender, in one line."""
+def check(model: onnx.ModelProto, name: str | Path) -> None:
+    """MIGraphXCheckError naming every offender, in one line (`name`: the graph's, or its file)."""
     found = offenders(model)
     if found:
         allowed = allowlist()
-        raise MIGraphXCheckError(f"{path}: MIGraphX {allowed['migraphx_version']}'s ONNX parser would reject: "
+        raise MIGraphXCheckError(f"{name}: MIGraphX {allowed['migraphx_version']}'s ONNX parser would reject: "
                                  + "; ".join(found))
 
 
-def prepare_variant(path: Path, weight_files: dict[str, int]) -> dict[str, Any]:
-    """Rewrite the portable graph at `path` into the MIGraphX variant (steps 1-4 of the module doc), in place.
-    weight_files: the engine's weight files and sizes (the checker's stand-ins, as in the build)."""
-    from ..build import check_graph
-    model = onnx.load(str(path), load_external_data=False)
+def make_variant(model: onnx.ModelProto, name: str) -> tuple[onnx.ModelProto, dict[str, Any]]:
+    """The portable graph `name` as the MIGraphX variant (steps 1-4 of the module doc; the build then runs the
+    checker and strict shape inference on it, step 3's proof): (variant, what to record of it)."""
     model = inliner.inline_local_functions(model)
     del model.functions[:]
     kept = [o for o in model.opset_import if o.domain in ("", "ai.onnx")]
     del model.opset_import[:]
     model.opset_import.extend(kept)
     lower_opset(model, allowlist()["max_opset"])
-    check_graph(model, weight_files)
-    check(model, path)
-    onnx.save(model, str(path))
-    return {"nodes": len(model.graph.node), "opset": allowlist()["max_opset"]}
+    check(model, name)
+    return model, {"nodes": len(model.graph.node), "opset": allowlist()["max_opset"]}
 
 
 def compile_programs(engine_dir: Path, manifest: EngineManifest, migraphx: Any,
@@ -130,14 +126,14 @@ def compile_programs(engine_dir: Path, manifest: EngineManifest, migraphx: Any,
     return out
 
 
-def compile_engine(engine_dir: Path, manifest: EngineManifest) -> dict[str, Any]:
-    """Prepare every graph's variant and compile it where MIGraphX imports; returns engine.json's build.compile."""
+def compile_engine(engine_dir: Path, manifest: EngineManifest, variants: dict[str, Any]) -> dict[str, Any]:
+    """Compile every graph's variant (made by make_variant, recorded in `variants`) where MIGraphX imports;
+    returns engine.json's build.compile."""
     allowed = allowlist()
     graph_profiles = engine_profiles(manifest)
     record: dict[str, Any] = {
         "allowlist": {"migraphx": allowed["migraphx_version"], "source": allowed["source"]},
-        "variant": {graph: prepare_variant(engine_dir / entry.file, {w.file: w.bytes for w in manifest.weights})
-                    for graph, entry in manifest.graphs.items()},
+        "variant": variants,
         "profiles": as_record(graph_profiles)}
     try:
         import migraphx
@@ -176,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 
-__all__ = ["allowlist", "offenders", "check", "prepare_variant", "compile_engine", "MIGraphXCheckError"]
+__all__ = ["allowlist", "offenders", "check", "make_variant", "compile_engine", "MIGraphXCheckError"]
 
 if __name__ == "__main__":
     sys.exit(main())

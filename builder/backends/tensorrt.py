@@ -38,9 +38,8 @@ class TensorRTBuildError(V4EngineError):
     """TensorRT is missing, or refused a graph or a build."""
 
 
-def prepare_onnx(path: Path) -> int:
-    """Mark every v4 op node of the graph at `path` for TensorRT's AOT plugins (in place); returns how many."""
-    model = onnx.load(str(path), load_external_data=False)
+def mark_aot(model: onnx.ModelProto) -> int:
+    """Mark every v4 op node of the graph for TensorRT's AOT plugins (in place); returns how many."""
     marked = 0
     for node in model.graph.node:
         if node.domain == DOMAIN and node.op_type in PLUGIN_OPS:
@@ -51,7 +50,6 @@ def prepare_onnx(path: Path) -> int:
     for function in model.functions:      # declared on the ops' definitions, as plugin_namespace is
         if function.domain == DOMAIN and function.name in PLUGIN_OPS and "aot" not in function.attribute:
             function.attribute.append("aot")
-    onnx.save(model, str(path))
     return marked
 
 
@@ -107,16 +105,17 @@ def build_plan(trt: Any, onnx_path: Path, plan_path: Path, graph_profiles: list[
             "seconds": round(time.perf_counter() - started, 1)}
 
 
-def compile_engine(engine_dir: Path, manifest: EngineManifest, onnx_only: bool, optimization_level: int,
-                   timing_cache: Path | None, replaced: Path | None) -> dict[str, Any]:
-    """Prepare every graph, and build its engine unless onnx_only; returns engine.json's `build.compile`.
+def compile_engine(engine_dir: Path, manifest: EngineManifest, plugin_nodes: dict[str, int], onnx_only: bool,
+                   optimization_level: int, timing_cache: Path | None, replaced: Path | None) -> dict[str, Any]:
+    """Build every graph's engine (prepared by mark_aot, plugin_nodes per graph) unless onnx_only; returns
+    engine.json's `build.compile`.
 
     timing_cache: a cache kept across builds (--timing-cache); default: `timing.cache` in the engine, seeded from
     the engine folder `replaced` (the OUT a --force rebuild replaces) when that has one."""
     graph_profiles = engine_profiles(manifest)
     record: dict[str, Any] = {
         "profiles": as_record(graph_profiles), "optimization_level": optimization_level,
-        "plugin_nodes": {graph: prepare_onnx(engine_dir / entry.file) for graph, entry in manifest.graphs.items()}}
+        "plugin_nodes": plugin_nodes}
     if onnx_only:
         record["plans"] = None
         record["tensorrt"] = "not built (--onnx-only): written to TensorRT's documented API, not run here"
@@ -133,5 +132,5 @@ def compile_engine(engine_dir: Path, manifest: EngineManifest, onnx_only: bool, 
     return record
 
 
-__all__ = ["prepare_onnx", "check_installed", "build_plan", "compile_engine",
+__all__ = ["mark_aot", "check_installed", "build_plan", "compile_engine",
            "TensorRTBuildError"]

@@ -106,10 +106,8 @@ def hyper_connection(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
     n = cfg.hc_mult
     flat = unweighted_rms_norm(x.flatten(2).float(), cfg.rms_norm_eps)
     mix = F.linear(flat, fn.float())
-    # slices, not .split(): exported, split becomes SplitToSequence + SequenceAt, which MIGraphX cannot parse
-    pre_w, post_w, comb_w = mix[..., :n], mix[..., n:2 * n], mix[..., 2 * n:]
-    base = base.float()
-    pre_b, post_b, comb_b = base[:n], base[n:2 * n], base[2 * n:]
+    pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.float().split([n, n, n * n])
     pre = torch.sigmoid(pre_w * scale[0] + pre_b) + cfg.hc_eps
     post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
     comb = torch.softmax(comb_w.unflatten(-1, (n, n)) * scale[2] + comb_b.view(n, n), dim=-1) + cfg.hc_eps

@@ -52,7 +52,7 @@ class Metrics:
             return family.Metric(labels={**labels, **extra}, **({"buckets": buckets} if buckets else {}))
 
         F = pb_utils.MetricFamily
-        self.ttft = series("v4_time_to_first_token_seconds", "Seconds from a request's arrival at v4_generate to "
+        self.ttft = series("v4_time_to_first_token_seconds", "Seconds from a request's arrival in the scheduler to "
                            "its first token", F.HISTOGRAM, [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10])
         self.itl = series("v4_inter_token_latency_seconds", "Seconds between two steps that give a request tokens "
                           "(one observation per step; a step gives 1..k+1 tokens with MTP)", F.HISTOGRAM,
@@ -150,13 +150,12 @@ class TritonPythonModel:
     async def respond(self, sender, stream: Stream, key: str, echo: list[int], streaming: bool) -> bool:
         """Send the stream's responses; True once the FINAL flag went out with the last one."""
         generated: list[int] = []
-        first = last = None
+        last = None
         async for update in stream:
             generated += update.tokens
             if update.tokens:
-                if first is None:
-                    first = update.time
-                    self.metrics.ttft.observe(first - stream.arrival)
+                if last is None:
+                    self.metrics.ttft.observe(stream.request.metrics.time_to_first_token)
                 else:
                     self.metrics.itl.observe(update.time - last)
                 last = update.time
@@ -167,8 +166,7 @@ class TritonPythonModel:
         self.metrics.finished(request)
         if request.finish_reason == "cancelled":
             return False
-        metrics = {**request.metrics.to_dict(),
-                   "time_to_first_token": None if first is None else first - stream.arrival}
+        metrics = request.metrics.to_dict()
         new = len(update.tokens) if streaming else len(generated)
         sender.send(self.response(echo, generated, new, key, request.params.stop, request.finish_reason,
                                   json.dumps(metrics)), flags=FINAL)

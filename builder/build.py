@@ -8,6 +8,7 @@ onnx.checker (full) and strict shape inference; write engine.json; let the backe
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import shutil
 import tempfile
@@ -22,13 +23,15 @@ from tqdm import tqdm
 
 from v4engine.plugins import DOMAIN, OPSET, onnx_functions
 from v4engine.plugins.sinkhorn import NAME as SINKHORN
-from v4engine.runtime.config import V4Config
-from v4engine.runtime.engine import BUILT_LIMIT_DEFAULTS, EngineManifest, GraphEntry, cache_group_dict
+from v4engine.runtime.engine import (ACTIVATION_DTYPES, BUILT_LIMIT_DEFAULTS, FORMAT, MANIFEST, MAX_MTP,
+                                     EngineManifest, GraphEntry, cache_groups, check_limits, graph_specs)
 from v4engine.runtime.errors import V4EngineError
-from v4engine.runtime.staging import staged_folder
+from v4engine.runtime.untrusted import read_json
+from v4engine.runtime.staging import check_destination, staged_folder
 
 from .backends import QUANTIZED_IN_PLACE, TENSORRT_OPTIMIZATION_LEVEL, compile_engine, preflight, prepare_graph
-from .export import export_graph, graph_specs, split_sequences
+from .export import export_graph, split_sequences
+from .checkpoint import checkpoint_file
 from .load import open_checkpoint
 from .weights import WeightWriter, attach_weights, serialize_without_data
 
@@ -58,12 +61,21 @@ class BuildOptions:
     timing_cache: Path | None = None           # tensorrt: reused across builds (default: one in the engine)
 
 
+def is_engine_folder(folder: Path) -> bool:
+    """Whether `folder` holds an engine v4build wrote (its engine.json says format v4engine): the only kind of
+    folder `--force` replaces."""
+    try:
+        return read_json(folder / MANIFEST, BuildError, "", limit=64 << 20).get("format") == FORMAT
+    except (BuildError, OSError, AttributeError):
+        return False
+
+
+ENGINE_FOLDER = "an engine folder built by v4build (with its engine.json)"
+
+
 def _check_output(options: BuildOptions) -> None:
     out = options.output
-    if out.exists() and not options.force:
-        raise BuildError(f"{out}: already exists (pass --force to replace it)")
-    if out.exists() and not out.is_dir():
-        raise BuildError(f"{out}: exists and is not a folder; --force only replaces an engine folder")
+    check_destination(out, options.force, is_engine_folder, ENGINE_FOLDER)
     if out.exists() and options.checkpoint.resolve().is_relative_to(out.resolve()):
         raise BuildError(f"{out}: holds the checkpoint itself; choose another --output")
     parent = out.parent
@@ -74,10 +86,8 @@ def _check_output(options: BuildOptions) -> None:
         probe.close()
     except OSError as e:
         raise BuildError(f"{parent}: cannot write the engine here ({e.strerror})") from None
-    if options.mtp < 0:
-        raise BuildError(f"--mtp must be >= 0 (got {options.mtp})")
-    if options.max_prefill_chunk < 1:
-        raise BuildError(f"--max-prefill-chunk must be >= 1 (got {options.max_prefill_chunk})")
+    if not 0 <= options.mtp <= MAX_MTP:
+        raise BuildError(f"--mtp must be from 0 to {MAX_MTP} (got {options.mtp})")
     if options.onnx_only and options.backend != "tensorrt":
         raise BuildError(f"--onnx-only applies to --backend tensorrt (got --backend {options.backend})")
 
@@ -174,8 +184,9 @@ def build(options: BuildOptions) -> EngineManifest:
     _check_output(options)
     preflight(options.backend, options.onnx_only)
     cfg, ckpt = open_checkpoint(options.checkpoint, mtp=options.mtp > 0)
+    check_limits(dataclasses.asdict(options), cfg, "v4build", BuildError)
     clock.lap("checkpoint")
-    with staged_folder(options.output, "building") as tmp:
+    with staged_folder(options.output, "building", options.force, is_engine_folder, ENGINE_FOLDER) as tmp:
         writer = WeightWriter(tmp)
         try:
             parts = ["target"] + (["draft"] if options.mtp > 0 else [])
@@ -187,16 +198,13 @@ def build(options: BuildOptions) -> EngineManifest:
                     treatment[k] = treatment.get(k, 0) + v
             weights = writer.close()
             tokenizer = [f for f in TOKENIZER_FILES if (options.checkpoint / f).is_file()]
-            for f in tokenizer:
-                shutil.copy2(options.checkpoint / f, tmp / f)
-            value_bytes = DTYPES[options.dtype].itemsize
+            for f in tokenizer:                      # only files inside the checkpoint folder are copied
+                shutil.copyfile(checkpoint_file(options.checkpoint, f, str(options.checkpoint)), tmp / f)
             graphs, caches = {}, {}
             for name in parts:
-                inputs, outputs = graph_specs(cfg, draft=name == "draft", dtype=str(DTYPES[options.dtype])[6:])
+                inputs, outputs = graph_specs(cfg, draft=name == "draft", dtype=ACTIVATION_DTYPES[options.dtype])
                 graphs[name] = GraphEntry(f"{name}.onnx", tuple(inputs), tuple(outputs))
-                groups = cfg.cache_groups(name == "draft", options.mtp, value_bytes)
-                caches[name] = [cache_group_dict(g, "mtp" if name == "draft" else cfg.layer_types[g.layer])
-                                for g in groups]
+                caches[name] = cache_groups(cfg, name, options.mtp, options.dtype)
             experts = _experts(cfg.expert_dtype, options.backend)
             manifest = EngineManifest(
                 model=cfg, backend=options.backend, mtp=options.mtp, dtype=options.dtype, graphs=graphs,

@@ -15,17 +15,17 @@ Quantized formats (V4_MODEL.md §9.1, §9.2):
 from __future__ import annotations
 
 import hashlib
-import json
 import math
+import os
 import re
-import struct
 from dataclasses import dataclass, replace
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import numpy as np
 import torch
 
 from v4engine.runtime.errors import V4EngineError
+from v4engine.runtime.untrusted import HeaderError, JsonFields, open_regular, read_header, read_json, shown
 
 
 class CheckpointError(V4EngineError):
@@ -60,7 +60,7 @@ _FP8_MAX = 448.0
 _E2M1_MAX = 6.0
 _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _E2M1 = torch.tensor(_E2M1_VALUES + tuple(-v for v in _E2M1_VALUES), dtype=torch.float32)
-_MAX_HEADER = 100_000_000  # the safetensors library's own limit
+MAX_SHARDS = 65_536          # safetensors files one checkpoint may list (V4-Pro: 64)
 
 # Canonical (official release) names.
 _BLOCK = (
@@ -72,6 +72,7 @@ _BLOCK = (
     r"|ffn\.shared_experts\.w[123]\.weight|ffn\.experts\.\d+\.w[123]\.weight"
 )
 # mtp.N.{embed,head}.weight: Flash-Base repeats the shared embedding/head there (V4_MODEL.md §4.1).
+_MTP_INPUTS = ("e_proj", "h_proj", "enorm", "hnorm")      # what makes mtp.0 V4's MTP layer (DSpark has none)
 _MTP_ONLY = r"(?:e_proj|h_proj|enorm|hnorm|norm|embed|head)\.weight|hc_head_(?:fn|base|scale)"
 _CANONICAL = re.compile(
     rf"(?:embed|head|norm)\.weight|hc_head_(?:fn|base|scale)"
@@ -155,6 +156,7 @@ class Checkpoint:
         self.scheme = scheme  # "official" | "hf" | "save_pretrained"
         self._files = files
         self._headers = headers
+        self._header_sha256 = {f: hashlib.sha256(h).hexdigest() for f, h in zip(files, headers)}
         self._infos = infos
         self._maps: dict[Path, np.memmap] = {}
 
@@ -162,7 +164,10 @@ class Checkpoint:
 
     @classmethod
     def open(cls, directory: str | Path) -> Checkpoint:
-        """Read every header (not the data), map names to canonical ones and validate."""
+        """Read every header (not the data), map names to canonical ones and validate.
+
+        A checkpoint folder is untrusted: every file it names must stay inside it (checkpoint_file), and
+        headers are checked before any tensor is (sizes, overlaps, truncation)."""
         directory = Path(directory)
         if not directory.is_dir():
             raise CheckpointError(f"{directory}: checkpoint folder does not exist")
@@ -197,9 +202,15 @@ class Checkpoint:
     __contains__ = has
 
     @property
-    def has_mtp_layer(self) -> bool:
-        """Whether the mtp.0.* draft layer is there (transformers' save_pretrained drops it)."""
-        return any(name.startswith("mtp.0.") for name in self._infos)
+    def draft_module(self) -> str | None:
+        """What the checkpoint holds under `mtp.*`: "mtp" (V4's one-layer MTP draft, mtp.0 with its e_proj,
+        h_proj, enorm and hnorm), "other" (another drafter there, such as V4-Flash-0731's three-block DSpark), or
+        None (no draft tensors: transformers' save_pretrained drops them)."""
+        draft = [name for name in self._infos if name.startswith("mtp.")]
+        if not draft:
+            return None
+        inputs = all(f"mtp.0.{part}.weight" in self._infos for part in _MTP_INPUTS)
+        return "mtp" if inputs and all(_CANONICAL.fullmatch(n) and n.startswith("mtp.0.") for n in draft) else "other"
 
     def info(self, name: str) -> TensorInfo:
         try:
@@ -223,6 +234,10 @@ class Checkpoint:
                 raise CheckpointError(
                     f"{info.file}: tensor '{name}' has shape {list(actual)} "
                     f"but {list(shape)} is expected from config.json")
+
+    def header_sha256(self, file: Path) -> str:
+        """SHA-256 of one file's safetensors header: what an engine records of each checkpoint file it links."""
+        return self._header_sha256[file]
 
     def fingerprint(self) -> str:
         """Identifies the checkpoint's layout (names, dtypes, shapes, headers) without reading data."""
@@ -274,15 +289,33 @@ class Checkpoint:
 
 # --------------------------------------------------------------------- files and headers
 
+def checkpoint_file(directory: Path, name: object, named_by: str) -> Path:
+    """A file of the checkpoint folder, resolved; refused unless it stays inside the folder, or, for a Hugging Face
+    cache snapshot (`.../snapshots/REV/`, whose files are links into the repository's `blobs/`), inside blobs/."""
+    pure = PurePosixPath(name) if isinstance(name, str) else None
+    if pure is None or not name or pure.is_absolute() or ".." in pure.parts or "\0" in name or "\\" in name:
+        raise CheckpointError(f"{named_by}: names {shown(name)}, which is not a file inside {directory}; refused")
+    resolved = (directory / pure).resolve()
+    root = directory.resolve()
+    roots = [root] + ([root.parent.parent / "blobs"] if root.parent.name == "snapshots" else [])
+    if not any(resolved.is_relative_to(r) for r in roots):
+        raise CheckpointError(f"{directory / pure}: leads outside the checkpoint folder (to {resolved}); refused")
+    return resolved
+
+
 def _list_files(directory: Path) -> tuple[list[Path], dict[str, str] | None]:
     """The safetensors files of the folder, plus the index's weight map when it is sharded."""
     index_path = directory / "model.safetensors.index.json"
-    if index_path.exists():
-        try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index_path}: not a safetensors index ({e})") from None
-        files = [directory / f for f in sorted(set(weight_map.values()))]
+    if os.path.lexists(index_path):
+        checkpoint_file(directory, index_path.name, str(index_path))
+        raw = read_json(index_path, CheckpointError, "not found")
+        weight_map = JsonFields(raw, str(index_path), CheckpointError).get("weight_map", dict)
+        for key, file_name in weight_map.items():
+            checkpoint_file(directory, file_name, f"{index_path}: weight_map entry {shown(key, 60)}")
+        names = sorted(set(weight_map.values()))
+        if len(names) > MAX_SHARDS:
+            raise CheckpointError(f"{index_path}: lists {len(names)} files, more than {MAX_SHARDS}; refused")
+        files = [directory / f for f in names]
         for path in files:
             if not path.is_file():
                 raise CheckpointError(f"{path}: shard listed in {index_path.name} does not exist")
@@ -292,48 +325,47 @@ def _list_files(directory: Path) -> tuple[list[Path], dict[str, str] | None]:
         raise CheckpointError(f"{directory}: no *.safetensors files")
     if len(found) > 1:
         raise CheckpointError(f"{directory}: {len(found)} *.safetensors files but no model.safetensors.index.json")
+    checkpoint_file(directory, found[0].name, str(found[0]))
     return found, None
 
 
 def _read_header(path: Path) -> tuple[bytes, list[_Stored]]:
     """Parse and validate one safetensors header; returns its raw bytes and its tensors."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise CheckpointError(f"{path}: too short for a safetensors header")
-        (header_len,) = struct.unpack("<Q", head)
-        if header_len > min(size - 8, _MAX_HEADER):
-            raise CheckpointError(f"{path}: header length {header_len} does not fit the file ({size} bytes)")
-        raw_header = f.read(header_len)
+    fd = open_regular(path, CheckpointError)
     try:
-        header = json.loads(raw_header)
-        if not isinstance(header, dict):
-            raise ValueError("not a JSON object")
-    except ValueError as e:
-        raise CheckpointError(f"{path}: safetensors header is not valid JSON ({e})") from None
-    data_start = 8 + header_len
+        header = read_header(fd)
+    except HeaderError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    finally:
+        os.close(fd)
     tensors = []
-    for key, entry in header.items():
+    for key, entry in header.entries.items():
         if key == "__metadata__":
             continue
         try:
             dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
-            if not all(isinstance(d, int) and d >= 0 for d in (*shape, begin, end)):
+            if not isinstance(dtype, str) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                     for d in (*shape, begin, end)):
                 raise ValueError
         except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: tensor '{key}' has a malformed header entry") from None
+            raise CheckpointError(f"{path}: tensor {shown(key, 60)} has a malformed header entry") from None
         if dtype not in SAFETENSORS_DTYPES:
-            raise CheckpointError(f"{path}: tensor '{key}' has unknown dtype '{dtype}'")
+            raise CheckpointError(f"{path}: tensor {shown(key, 60)} has unknown dtype {shown(dtype, 20)}")
         nbytes = math.prod(shape) * SAFETENSORS_DTYPES[dtype][0]
         if end - begin != nbytes:
-            raise CheckpointError(
-                f"{path}: tensor '{key}' ({dtype} {list(shape)}) needs {nbytes} bytes but spans {end - begin}")
-        tensors.append(_Stored(key, path, dtype, shape, data_start + begin, nbytes))
-    for t in sorted(tensors, key=lambda t: t.offset):
-        if t.offset + t.nbytes > size:
-            raise CheckpointError(f"{path}: file is truncated; tensor '{t.key}' ends past its {size} bytes")
-    return raw_header, tensors
+            raise CheckpointError(f"{path}: tensor {shown(key, 60)} ({dtype} {list(shape)[:8]}) needs {nbytes} bytes "
+                                  f"but spans {end - begin}")
+        tensors.append(_Stored(key, path, dtype, shape, header.data_start + begin, nbytes))
+    previous = None
+    for t in sorted((t for t in tensors if t.nbytes), key=lambda t: t.offset):
+        if t.offset + t.nbytes > header.file_bytes:
+            raise CheckpointError(f"{path}: file is truncated; tensor {shown(t.key, 60)} ends past its "
+                                  f"{header.file_bytes} bytes")
+        if previous is not None and t.offset < previous.offset + previous.nbytes:
+            raise CheckpointError(f"{path}: tensors {shown(previous.key, 60)} and {shown(t.key, 60)} overlap in the "
+                                  "file; refused")
+        previous = t
+    return header.raw, tensors
 
 
 # --------------------------------------------------------------------- names
@@ -383,8 +415,10 @@ def _canonical_infos(stored: dict[str, _Stored], scheme: str) -> dict[str, Tenso
             infos.update(_split_fused(t, fused[1], fused[2]))
             continue
         name = _canonical_name(key, scheme)
+        if name is None and key.startswith("mtp."):      # a drafter of another kind (draft_module "other")
+            name = key
         if name is None:
-            raise CheckpointError(f"{t.file}: tensor '{key}' is not a DeepSeek-V4 tensor")
+            raise CheckpointError(f"{t.file}: tensor {shown(key, 60)} is not a DeepSeek-V4 tensor")
         if name in infos:
             raise CheckpointError(f"{t.file}: tensors '{infos[name].stored_name}' and '{key}' both map to '{name}'")
         infos[name] = _with_scale(name, t, scales.get(key))

@@ -11,11 +11,13 @@ Every failure prints one line naming the file, tensor or field at fault and exit
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 from v4engine.runtime.engine import BUILT_LIMIT_DEFAULTS
 from v4engine.runtime.errors import V4EngineError
+from v4engine.runtime.staging import Interrupted, signals_as_exceptions
 
 from .backends import TENSORRT_OPTIMIZATION_LEVEL
 
@@ -24,14 +26,14 @@ def _make_tiny(args: argparse.Namespace) -> None:
     from .tiny import make_tiny
 
     out = make_tiny(args.out, config=args.config, seed=args.seed, quantize=args.quantize, names=args.names,
-                    dtype=args.dtype, shards=args.shards, mtp=not args.no_mtp, agree=args.agree)
+                    dtype=args.dtype, shards=args.shards, mtp=not args.no_mtp, agree=args.agree, force=args.force)
     print(f"wrote tiny checkpoint '{args.config}' to {out}")
 
 
 def _make_release(args: argparse.Namespace) -> None:
     from .release import RELEASES, write_release_checkpoint
 
-    out = write_release_checkpoint(args.out, release=args.release, shards=args.shards)
+    out = write_release_checkpoint(args.out, release=args.release, shards=args.shards, force=args.force)
     print(f"wrote {RELEASES[args.release][2]} to {out}: sparse files, no tensor data")
 
 
@@ -46,8 +48,8 @@ def _check(args: argparse.Namespace) -> None:
         formats[fmt] = formats.get(fmt, 0) + 1
     print(f"{args.checkpoint}: {len(ckpt.names())} tensors in {len(ckpt.files())} file(s), formats {formats}")
     print(f"  {cfg.num_hidden_layers} layers {kinds}, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, "
-          f"experts {cfg.n_routed_experts} (top {cfg.num_experts_per_tok}), mtp layer: "
-          f"{'yes' if ckpt.has_mtp_layer else 'no'}")
+          f"experts {cfg.n_routed_experts} (top {cfg.num_experts_per_tok}), draft module: "
+          f"{ckpt.draft_module or 'none'}")
     print(f"  fingerprint {ckpt.fingerprint()[:16]}")
 
 
@@ -132,10 +134,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timing-cache", type=Path, default=None, help="tensorrt: timing cache file, read if it exists "
                    "and written after the build, so that rebuilds skip tactic timing (default: timing.cache in "
                    "the engine directory, seeded from the one a --force rebuild replaces)")
-    p.add_argument("--force", action="store_true", help="replace OUTPUT if it exists")
+    p.add_argument("--force", action="store_true", help="replace OUTPUT if it exists and is an engine folder built "
+                   "by v4build (any other folder is left alone)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(run=_build)
     return p
+
+
+FORCE_CHECKPOINT = ("replace OUT if it exists and is a checkpoint folder v4build wrote (any other folder, a "
+                    "downloaded checkpoint included, is left alone)")
 
 
 def tools_parser() -> argparse.ArgumentParser:
@@ -144,7 +151,7 @@ def tools_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("make-tiny", help="write a random, seeded tiny V4 checkpoint (for tests and examples)",
                        description="Write a random, seeded tiny DeepSeek-V4 checkpoint with its mtp.0.* layer.")
-    t.add_argument("out", type=Path, help="output folder (replaced if it exists)")
+    t.add_argument("out", type=Path, help="output folder to create")
     t.add_argument("--config", default="mixed", help="tiny config name: mixed, split_groups or flash_like "
                    "(default: mixed)")
     t.add_argument("--quantize", choices=["fp8", "mxfp4"], default=None,
@@ -161,17 +168,19 @@ def tools_parser() -> argparse.ArgumentParser:
     t.add_argument("--agree", type=float, default=None, metavar="ALPHA",
                    help="make the MTP layer mostly agree with the target by construction (block outputs scaled by "
                    "ALPHA, e.g. 0.1; the MTP reads only the next token), so that drafts are often accepted")
+    t.add_argument("--force", action="store_true", help=FORCE_CHECKPOINT)
     t.set_defaults(run=_make_tiny)
 
     m = sub.add_parser("make-release", help="write a release-shaped checkpoint without data (sparse files)",
                        description="Write a checkpoint with a release's exact config, tensor names, dtypes and shapes "
                        "(FP8 block weights, MXFP4 experts, mtp.0.*), as sharded safetensors whose data are holes: "
                        "valid headers, no disk used, zeros when read. For building and measuring at full size.")
-    m.add_argument("out", type=Path, help="output folder (replaced if it exists)")
+    m.add_argument("out", type=Path, help="output folder to create")
     m.add_argument("--release", choices=["v4-flash", "v4-pro"], default="v4-flash",
                    help="v4-flash (as released) or v4-pro (sizes from a mirror of its config, compress_ratios "
                    "assumed; default v4-flash)")
     m.add_argument("--shards", type=int, default=None, help="number of safetensors files (default: as released)")
+    m.add_argument("--force", action="store_true", help=FORCE_CHECKPOINT)
     m.set_defaults(run=_make_release)
 
     c = sub.add_parser("check", help="read a checkpoint and check every tensor against config.json",
@@ -203,18 +212,35 @@ def tools_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Every way a run can end is one line on stderr and an exit status: 0 done, 1 refused or failed (the line
+    names the file, tensor or field), 130 Ctrl-C, 128+N for signal N (SIGTERM, SIGHUP). Nothing half-written is
+    left behind in any case (runtime/staging.py)."""
     argv = sys.argv[1:] if argv is None else argv
     tools = bool(argv) and argv[0] in ("make-tiny", "make-release", "check", "triton-repo")
     args = (tools_parser() if tools else build_parser()).parse_args(argv)
     try:
-        args.run(args)
+        with signals_as_exceptions():
+            args.run(args)
     except V4EngineError as e:
-        print(f"v4build: error: {e}", file=sys.stderr)
-        return 1
+        return _fail(f"error: {e}", 1)
     except KeyboardInterrupt:
-        print("v4build: interrupted", file=sys.stderr)
-        return 130
+        return _fail("interrupted", 130)
+    except Interrupted as e:
+        return _fail(f"interrupted ({e})", 128 + e.signum)
+    except BrokenPipeError:                    # stdout closed (`| head`): what is left to say goes nowhere
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return _fail("error: stdout was closed", 1)
+    except OSError as e:                       # a full disk, a vanished folder: the file and the reason
+        where = f"{e.filename}: " if e.filename else ""
+        return _fail(f"error: {where}{e.strerror or e}", 1)
+    except MemoryError:
+        return _fail("error: out of memory", 1)
     return 0
+
+
+def _fail(message: str, status: int) -> int:
+    print(f"v4build: {message}", file=sys.stderr)
+    return status
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Export our V4 to ONNX: the `target` graph (any number of new tokens on existing caches) and the `draft`
 graph (the MTP layer), with flat, named inputs and outputs that follow the engine contract.
 
-Inputs of the target graph: `input_ids`, `positions` [batch, seq], then one `past.{layer}.{cache}` per cache
+The inputs and outputs are the engine contract (runtime/engine.py, graph_specs). Inputs of the target graph: `input_ids`, `positions` [batch, seq], then one `past.{layer}.{cache}` per cache
 group of V4Config.cache_groups (views: windows and partial windows of fixed length, compressed rows of
 dynamic length). Outputs: `logits`, `hidden` (pre-head streams), then one `new.{layer}.{cache}` per group:
 per-position deltas, or per-window rows for the compressed caches. The draft graph takes `hidden`,
@@ -23,53 +23,11 @@ from torch import nn
 from torch.export import Dim
 
 from v4engine.plugins import OPSET
-from v4engine.runtime.config import CSA, ROW_GROUPS, SLIDING, CacheGroup, V4Config
-from v4engine.runtime.engine import TensorSpec
+from v4engine.runtime.config import SLIDING, V4Config
+from v4engine.runtime.engine import TensorSpec, graph_specs
 
 from .model import LayerCache, Transformer
 from .model.rope import inv_freq
-
-
-def _kind(cfg: V4Config, group: CacheGroup) -> str:
-    return SLIDING if group.layer >= cfg.num_hidden_layers else cfg.layer_types[group.layer]
-
-
-def _rows_dim(cfg: V4Config, group: CacheGroup) -> str:
-    return "rows_csa" if _kind(cfg, group) == CSA else "rows_hca"
-
-
-def _emitted_dim(cfg: V4Config, group: CacheGroup) -> str:
-    return "emitted_csa" if _kind(cfg, group) == CSA else "emitted_hca"
-
-
-def cache_inputs(cfg: V4Config, groups: list[CacheGroup], dtype: str) -> list[TensorSpec]:
-    out = []
-    for g in groups:
-        kind = _kind(cfg, g)
-        if g.name in ROW_GROUPS:
-            rows: int | str = _rows_dim(cfg, g)
-        elif g.name == "window_kv":
-            rows = cfg.sliding_window - 1
-        else:
-            rows = cfg.state_tokens(kind)
-        out.append(TensorSpec(f"past.{g.layer}.{g.name}", dtype, ("batch", rows, g.width)))
-    return out
-
-
-def cache_outputs(cfg: V4Config, groups: list[CacheGroup], dtype: str) -> list[TensorSpec]:
-    return [TensorSpec(f"new.{g.layer}.{g.name}", dtype,
-                       ("batch", _emitted_dim(cfg, g) if g.name in ROW_GROUPS else "seq", g.width)) for g in groups]
-
-
-def graph_specs(cfg: V4Config, draft: bool, dtype: str = "float32") -> tuple[list[TensorSpec], list[TensorSpec]]:
-    """(inputs, outputs) of the target or draft graph."""
-    groups = cfg.cache_groups(draft=draft, mtp=0)
-    tokens = [TensorSpec("input_ids", "int64", ("batch", "seq")), TensorSpec("positions", "int64", ("batch", "seq"))]
-    hidden = TensorSpec("hidden", dtype, ("batch", "seq", cfg.hc_mult, cfg.hidden_size))
-    inputs = ([hidden] if draft else []) + tokens + cache_inputs(cfg, groups, dtype)
-    out_hidden = TensorSpec("next_hidden", dtype, hidden.shape) if draft else hidden   # the draft's own streams
-    outputs = [TensorSpec("logits", "float32", ("batch", "seq", cfg.vocab_size)), out_hidden]
-    return inputs, outputs + cache_outputs(cfg, groups, dtype)
 
 
 class _Graph(nn.Module):
@@ -170,4 +128,4 @@ def split_sequences(graph: onnx.GraphProto) -> int:
     return sum(1 for node in replaced.values() if node.op_type == "Split")
 
 
-__all__ = ["graph_specs", "export_graph", "rope_table", "split_sequences"]
+__all__ = ["export_graph", "rope_table", "split_sequences"]

@@ -20,10 +20,11 @@ import torch
 
 from v4engine.runtime.config import V4Config
 from v4engine.runtime.errors import ConfigError
+from v4engine.runtime.staging import check_destination
 
 from .checkpoint import FP8_BLOCK, FP8_QUANTIZATION_CONFIG, MXFP4_BLOCK, SAFETENSORS_DTYPES
 from .model import Transformer
-from .tiny import stored_form, write_checkpoint_folder
+from .tiny import CHECKPOINT_FOLDER, is_our_checkpoint, stored_form, write_checkpoint_folder
 
 _FLASH: dict[str, Any] = {
     "model_type": "deepseek_v4", "architectures": ["DeepseekV4ForCausalLM"], "torch_dtype": "bfloat16",
@@ -95,14 +96,18 @@ def _write_sparse_safetensors(path: Path, tensors: dict[str, tuple[str, tuple[in
     return offset
 
 
-def write_release_checkpoint(out: str | Path, release: str = "v4-flash", shards: int | None = None) -> Path:
-    """Write the release's checkpoint folder (config.json, sharded safetensors + index) with no tensor data."""
+def write_release_checkpoint(out: str | Path, release: str = "v4-flash", shards: int | None = None,
+                             force: bool = False) -> Path:
+    """Write the release's checkpoint folder (config.json, sharded safetensors + index) with no tensor data;
+    `force` replaces `out` only if v4build wrote it."""
     if release not in RELEASES:
         raise ConfigError(f"unknown release {release!r}; choose one of {sorted(RELEASES)}")
     raw, release_shards, _ = RELEASES[release]
+    check_destination(Path(out), force, is_our_checkpoint, CHECKPOINT_FOLDER)      # before any work
     tensors = release_tensors(raw)
     return write_checkpoint_folder(out, raw, list(tensors), shards or release_shards,
-                                   lambda path, names: _write_sparse_safetensors(path, {k: tensors[k] for k in names}))
+                                   lambda path, names: _write_sparse_safetensors(path, {k: tensors[k] for k in names}),
+                                   force=force)
 
 
 __all__ = ["RELEASES", "release_tensors", "write_release_checkpoint"]

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 from v4engine.runtime.config import V4Config
 from v4engine.runtime.errors import ConfigError
-from v4engine.runtime.staging import staged_folder
+from v4engine.runtime.staging import check_destination, staged_folder
 
 from .checkpoint import FP8_QUANTIZATION_CONFIG, quantize_fp8_block, quantize_mxfp4
 from .model import Transformer
@@ -167,18 +167,20 @@ def _tensors(model: Transformer, dtype: torch.dtype, quantize: str | None, scale
 
 def make_tiny(out: str | Path, config: str = "mixed", seed: int = 0, quantize: str | None = None,
               names: str = "official", dtype: str = "float32", shards: int = 2, mtp: bool = True,
-              agree: float | None = None) -> Path:
-    """Write a tiny random checkpoint folder; returns its path."""
+              agree: float | None = None, force: bool = False) -> Path:
+    """Write a tiny random checkpoint folder; returns its path. `force` replaces `out` only if v4build wrote it."""
     if config not in TINY_CONFIGS:
         raise ConfigError(f"unknown tiny config {config!r}; choose one of {sorted(TINY_CONFIGS)}")
+    check_destination(Path(out), force, is_our_checkpoint, CHECKPOINT_FOLDER)      # before any work
     raw = dict(TINY_CONFIGS[config], torch_dtype=dtype)
     model = random_model(V4Config.from_dict(raw, source=f"tiny config {config}"), seed, agree)
-    return save_checkpoint(model, raw, out, quantize=quantize, names=names, dtype=dtype, shards=shards, mtp=mtp)
+    return save_checkpoint(model, raw, out, quantize=quantize, names=names, dtype=dtype, shards=shards, mtp=mtp,
+                           force=force)
 
 
 def save_checkpoint(model: Transformer, raw: dict[str, Any], out: str | Path, quantize: str | None = None,
                     names: str = "official", dtype: str = "float32", shards: int = 2, mtp: bool = True,
-                    extra_files: dict[str, Path] | None = None) -> Path:
+                    extra_files: dict[str, Path] | None = None, force: bool = False) -> Path:
     """Write `model` as a checkpoint folder laid out like the release (config.json in official form `raw`,
     sharded safetensors + index, mtp.0.* in the last shard), or as save_pretrained writes it (names="hf").
     Built in a temporary folder and renamed at the end; `extra_files` (e.g. tokenizer.json) are copied in."""
@@ -197,18 +199,28 @@ def save_checkpoint(model: Transformer, raw: dict[str, Any], out: str | Path, qu
         save_file({k: tensors[k] for k in names}, str(path), metadata={"format": "pt"})
         return sum(tensors[k].numel() * tensors[k].element_size() for k in names)
 
-    return write_checkpoint_folder(out, raw, list(tensors), shards, write_shard, extra_files)
+    return write_checkpoint_folder(out, raw, list(tensors), shards, write_shard, extra_files, force)
+
+
+MADE = ".v4build-checkpoint"           # marks a checkpoint folder v4build wrote: the only kind --force replaces
+CHECKPOINT_FOLDER = "a checkpoint folder written by v4build (make-tiny, make-release)"
+
+
+def is_our_checkpoint(folder: Path) -> bool:
+    return (folder / MADE).is_file()
 
 
 def write_checkpoint_folder(out: str | Path, raw: dict[str, Any], names: list[str], shards: int,
                             write_shard: Callable[[Path, list[str]], int],
-                            extra_files: dict[str, Path] | None = None) -> Path:
+                            extra_files: dict[str, Path] | None = None, force: bool = False) -> Path:
     """A checkpoint folder laid out like the release: `names` over `shards` safetensors files (write_shard(path,
     names) writes one and returns its data bytes), the index, config.json `raw` and `extra_files`; built in a
-    temporary folder and renamed at the end."""
+    temporary folder and renamed at the end. An existing `out` is replaced only with `force`, and only if it is
+    a checkpoint folder v4build wrote (it holds MADE)."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with staged_folder(out, "writing") as tmp:
+    with staged_folder(out, "writing", force, is_our_checkpoint, CHECKPOINT_FOLDER) as tmp:
+        (tmp / MADE).write_text("written by v4build; `--force` may replace this folder\n")
         groups = shard_groups(names, shards)
         weight_map, total = {}, 0
         for i, group in enumerate(groups):

@@ -69,11 +69,16 @@ class WeightWriter:
         self._converted = open(engine_dir / CONVERTED, "wb")
         self._offset = 0
 
-    def link(self, source: Path) -> str:
-        """Relative location of `source` inside the engine folder (a hard link, else a symlink)."""
+    def link(self, source: Path, header_sha256: str) -> str:
+        """Relative location of `source` inside the engine folder (a hard link, else a symlink); the header's
+        fingerprint goes into engine.json, so that the runtime reads only this file through the link."""
         source = source.resolve()
         if source not in self.linked:
-            rel = f"weights/{source.name}"
+            taken = {w.file for w in self.linked.values()} | {CONVERTED}     # shards of two folders may share a name
+            rel, n = f"weights/{source.name}", 0
+            while rel in taken:
+                n += 1
+                rel = f"weights/{n}-{source.name}"
             target = self.engine_dir / rel
             try:
                 os.link(source, target)
@@ -81,7 +86,7 @@ class WeightWriter:
             except OSError:
                 os.symlink(source, target)
                 kind = "symlink"
-            self.linked[source] = WeightFile(rel, source.stat().st_size, kind, str(source))
+            self.linked[source] = WeightFile(rel, source.stat().st_size, kind, str(source), header_sha256)
         return self.linked[source].file
 
     def convert(self, array: np.ndarray) -> tuple[str, int, int]:
@@ -155,7 +160,7 @@ class _Attacher:
                                                *self.writer.convert(values.view(_BITS[values.element_size()]).numpy())))
             self.counts["converted"] += 1
             return
-        location = self.writer.link(info.file)
+        location = self.writer.link(info.file, self.ckpt.header_sha256(info.file))
         if info.format == "plain":
             stored = _ONNX_TYPE[info.dtype]
             name_as_stored = out if stored == data_type else f"{out}.stored"
@@ -205,8 +210,8 @@ class _Attacher:
             self.initializers += [numpy_helper.from_array(np.array(2.0, np.float32), "v4.two"),
                                   numpy_helper.from_array(np.array(127.0, np.float32), "v4.e8m0_bias")]
             self._e8m0_constants = True
-        self.initializers.append(_external(f"{out}.e8m0", TensorProto.UINT8, shape, self.writer.link(info.file),
-                                           info.offset, info.nbytes))
+        location = self.writer.link(info.file, self.ckpt.header_sha256(info.file))
+        self.initializers.append(_external(f"{out}.e8m0", TensorProto.UINT8, shape, location, info.offset, info.nbytes))
         self.nodes += [helper.make_node("Cast", [f"{out}.e8m0"], [f"{out}.exp"], to=TensorProto.FLOAT),
                        helper.make_node("Sub", [f"{out}.exp", "v4.e8m0_bias"], [f"{out}.unbiased"]),
                        helper.make_node("Pow", ["v4.two", f"{out}.unbiased"], [out])]

@@ -9,27 +9,45 @@ and the runtime's cache accounting needs its derived facts; the builder imports 
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
+from .untrusted import MISSING, JsonFields, read_json, shown
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 LAYER_KINDS = (SLIDING, CSA, HCA)
 HASH_MOE, MOE = "hash_moe", "moe"
 
 
-def read_json(path: Path, error: type[Exception], missing: str) -> Any:
-    """The parsed JSON file, or `error` with one line naming the file (missing, or not valid JSON)."""
-    if not path.is_file():
-        raise error(f"{path}: {missing}")
-    try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise error(f"{path}: not valid JSON ({e})") from None
+# Upper bounds of the size fields (README, "Security"): far beyond V4-Pro (its value in the comment), and small
+# enough that nothing a config.json sizes can exhaust memory before the checkpoint's headers confirm the sizes.
+SIZE_BOUNDS = {
+    "vocab_size": 1 << 20,                  # 129,280
+    "hidden_size": 1 << 16,                 # 7,168
+    "moe_intermediate_size": 1 << 16,       # 3,072
+    "num_hidden_layers": 512,               # 61
+    "num_attention_heads": 1024,            # 128
+    "head_dim": 4096,                       # 512
+    "q_lora_rank": 1 << 16,                 # 1,536
+    "o_groups": 1024,                       # 16
+    "o_lora_rank": 1 << 16,                 # 1,024
+    "sliding_window": 1 << 16,              # 128
+    "index_n_heads": 1024,                  # 64
+    "index_head_dim": 4096,                 # 128
+    "index_topk": 1 << 16,                  # 512
+    "hc_mult": 64,                          # 4
+    "hc_sinkhorn_iters": 100,               # 20 (the exported graphs unroll every round)
+    "n_routed_experts": 4096,               # 384
+    "num_experts_per_tok": 256,             # 6
+    "n_shared_experts": 64,                 # 1
+    "max_position_embeddings": 1 << 24,     # 1,048,576
+    "num_nextn_predict_layers": 8,          # 1 (the DSpark drafter of V4-Flash-0731: 3)
+    "compress_rate": 1 << 16,               # 128
+}
+DSPARK_PREFIX = "dspark_"       # config keys of the DSpark drafter (V4-Flash-0731), which is not an MTP layer
 
 
 @dataclass(frozen=True)
@@ -88,6 +106,44 @@ class CacheGroup:
         return self.rows_for(seq_len) * self.width * self.value_bytes
 
 
+def _compress_rates(f: JsonFields, size) -> dict[str, int]:
+    """CSA's and HCA's compression ratios m and m': named (transformers' form), or inferred from the ratios of the
+    official form (the smaller is CSA's overlapping m, the larger HCA's)."""
+    named = f.get("compress_rates", dict, {})
+    if named:
+        rates = JsonFields(named, f.source, ConfigError, "compress_rates.")
+        return {kind: rates.integer(kind, 2, SIZE_BOUNDS["compress_rate"], default)
+                for kind, default in ((CSA, 4), (HCA, 128))}
+    ratios = f.items("compress_ratios", int, [], most=SIZE_BOUNDS["num_hidden_layers"] * 2)
+    nonzero = sorted({r for r in ratios if r})
+    inferred = dict(zip((CSA, HCA), nonzero)) if len(nonzero) == 2 else {}
+    if len(nonzero) == 1:
+        inferred = {CSA: nonzero[0]} if nonzero[0] == 4 else {HCA: nonzero[0]}
+    return {CSA: size("compress_rate_csa", inferred.get(CSA, 4), low=2, bound="compress_rate"),
+            HCA: size("compress_rate_hca", inferred.get(HCA, 128), low=2, bound="compress_rate")}
+
+
+def _ropes(f: JsonFields, number) -> tuple[float, float, Yarn | None]:
+    """(main theta, compress theta, YaRN of the compress rope) from rope_parameters{main, compress} (transformers'
+    form) or rope_theta, compress_rope_theta and rope_scaling (the official form)."""
+    rope_theta, compress_theta = number("rope_theta", 10000.0), number("compress_rope_theta", 160000.0)
+    params = f.nested("rope_parameters", {})
+    if isinstance(params.raw.get("compress"), dict):
+        main, scaling = params.nested("main", {}), params.nested("compress")
+        rope_theta = float(main.get("rope_theta", (int, float), rope_theta))
+        compress_theta = float(scaling.get("rope_theta", (int, float), compress_theta))
+    else:
+        scaling = f.nested("rope_scaling", {}) if f.raw.get("rope_scaling") else params
+    if (scaling.get("rope_type", str, None) or scaling.get("type", str, None)) != "yarn":
+        return rope_theta, compress_theta, None
+    yarn = Yarn(factor=scaling.number("factor", 1.0, 1e6),
+                original_max_position_embeddings=scaling.integer("original_max_position_embeddings", 1,
+                                                                 SIZE_BOUNDS["max_position_embeddings"]),
+                beta_fast=float(scaling.get("beta_fast", (int, float), 32.0) or 32),
+                beta_slow=float(scaling.get("beta_slow", (int, float), 1.0) or 1))
+    return rope_theta, compress_theta, yarn
+
+
 @dataclass(frozen=True)
 class V4Config:
     vocab_size: int
@@ -130,6 +186,7 @@ class V4Config:
     torch_dtype: str = "bfloat16"
     quantization: dict[str, Any] | None = None
     expert_dtype: str | None = None
+    dspark: dict[str, Any] | None = None          # the dspark_* keys of a checkpoint whose draft module is DSpark
     source: str = field(default="config.json", compare=False)
 
     # ------------------------------------------------------------------ reading
@@ -142,139 +199,105 @@ class V4Config:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "V4Config":
-        """Read the transformers form or the official form (told apart by `compress_ratios`)."""
+        """Read the transformers form or the official form (told apart by `compress_ratios`).
 
-        def need(key: str) -> Any:
-            if key not in raw:
-                raise ConfigError(f"{source}: field '{key}' is missing")
-            return raw[key]
+        config.json is untrusted: every field is type-checked here, and every size bounded (SIZE_BOUNDS) before
+        anything is computed from it; the rest of the checks are validate()'s."""
+        f = JsonFields(raw, source, ConfigError)
 
-        def get(key: str, default: Any) -> Any:
-            return raw.get(key, default)
+        def size(key: str, default: Any = MISSING, low: int = 1, bound: str | None = None) -> int:
+            return f.integer(key, low, SIZE_BOUNDS[bound or key], default)
 
-        if raw.get("model_type", "deepseek_v4") != "deepseek_v4":
-            raise ConfigError(f"{source}: field 'model_type' must be 'deepseek_v4' (got {raw['model_type']!r})")
-        n_layers = need("num_hidden_layers")
-        n_mtp = get("num_nextn_predict_layers", 1)
-        compress_rates = dict(get("compress_rates", None) or {})
-        if not compress_rates:
-            # Official form: the ratios themselves say it (the smaller is CSA's overlapping m, the larger HCA's m').
-            nonzero = sorted({r for r in raw.get("compress_ratios", []) if r})
-            inferred = dict(zip((CSA, HCA), nonzero)) if len(nonzero) == 2 else {}
-            if len(nonzero) == 1:
-                inferred = {CSA: nonzero[0]} if nonzero[0] == 4 else {HCA: nonzero[0]}
-            compress_rates = {CSA: get("compress_rate_csa", inferred.get(CSA, 4)),
-                              HCA: get("compress_rate_hca", inferred.get(HCA, 128))}
-        compress_rates.setdefault(CSA, 4)
-        compress_rates.setdefault(HCA, 128)
+        def number(key: str, default: Any = MISSING) -> float:
+            return float(f.get(key, (int, float), default))
+
+        if f.get("model_type", str, "deepseek_v4") != "deepseek_v4":
+            f.fail("model_type", "must be 'deepseek_v4'", raw["model_type"])
+        n_layers = size("num_hidden_layers")
+        n_mtp = size("num_nextn_predict_layers", 1, low=0)
+        dspark = {k: v for k, v in raw.items() if k.startswith(DSPARK_PREFIX)} or None
+        compress_rates = _compress_rates(f, size)
         ratio_to_kind = {0: SLIDING, compress_rates[CSA]: CSA, compress_rates[HCA]: HCA}
 
-        if "layer_types" in raw and raw["layer_types"] is not None:
-            layer_types = tuple(raw["layer_types"])
-        elif "compress_ratios" in raw:
-            ratios = list(raw["compress_ratios"])
-            if not isinstance(n_layers, int) or len(ratios) not in (n_layers, n_layers + n_mtp):
-                raise ConfigError(
-                    f"{source}: field 'compress_ratios' has {len(ratios)} entries; expected "
-                    f"num_hidden_layers ({n_layers}) + num_nextn_predict_layers ({n_mtp})"
-                )
-            for r in ratios[n_layers:]:
-                if r != 0:
-                    raise ConfigError(f"{source}: field 'compress_ratios': the MTP layer must be 0 (sliding), got {r}")
+        layer_types = f.items("layer_types", str, None, most=n_layers)
+        if layer_types is None:
+            ratios = f.items("compress_ratios", int, None, most=n_layers + n_mtp)
+            if ratios is None:
+                raise ConfigError(f"{source}: field 'layer_types' (or 'compress_ratios') is missing")
+            if len(ratios) not in (n_layers, n_layers + n_mtp):
+                f.fail("compress_ratios", f"must have num_hidden_layers ({n_layers}) + num_nextn_predict_layers "
+                       f"({n_mtp}) entries", len(ratios))
+            if any(r != 0 for r in ratios[n_layers:]):
+                f.fail("compress_ratios", "must be 0 (sliding) for the draft layers after the target's", ratios[n_layers:])
             bad = [r for r in ratios if r not in ratio_to_kind]
             if bad:
-                raise ConfigError(
-                    f"{source}: field 'compress_ratios' entries must be one of {sorted(ratio_to_kind)} (got {bad[0]})"
-                )
-            layer_types = tuple(ratio_to_kind[r] for r in ratios[:n_layers])
-        else:
-            raise ConfigError(f"{source}: field 'layer_types' (or 'compress_ratios') is missing")
+                f.fail("compress_ratios", f"entries must be one of {sorted(ratio_to_kind)}", bad[0])
+            layer_types = [ratio_to_kind[r] for r in ratios[:n_layers]]
 
-        if raw.get("mlp_layer_types") is not None:
-            mlp_layer_types = tuple(raw["mlp_layer_types"])
-        else:
-            n_hash = get("num_hash_layers", 3)
-            if not isinstance(n_hash, int) or n_hash < 0:
-                raise ConfigError(f"{source}: field 'num_hash_layers' must be an integer >= 0 (got {n_hash!r})")
-            mlp_layer_types = tuple([HASH_MOE] * min(n_layers, n_hash) + [MOE] * max(0, n_layers - n_hash))
+        mlp_layer_types = f.items("mlp_layer_types", str, None, most=n_layers)
+        if mlp_layer_types is None:
+            n_hash = size("num_hash_layers", 3, low=0, bound="num_hidden_layers")
+            mlp_layer_types = [HASH_MOE] * min(n_layers, n_hash) + [MOE] * max(0, n_layers - n_hash)
 
-        head_dim = need("head_dim")
+        head_dim = size("head_dim")
         if "qk_rope_head_dim" in raw:
-            rope_dim = raw["qk_rope_head_dim"]
+            rope_dim = size("qk_rope_head_dim", bound="head_dim")
         elif raw.get("partial_rotary_factor") is not None:
-            rope_dim = int(head_dim * raw["partial_rotary_factor"])
+            rope_dim = int(head_dim * f.number("partial_rotary_factor", 0.0, 1.0))
         else:
             rope_dim = 64
+        rope_theta, compress_theta, yarn = _ropes(f, number)
 
-        rope_theta = get("rope_theta", 10000.0)
-        compress_theta = get("compress_rope_theta", 160000.0)
-        yarn_raw: dict | None = None
-        params = raw.get("rope_parameters")
-        if isinstance(params, dict) and isinstance(params.get("compress"), dict):
-            compress = params["compress"]
-            main = params.get("main", {})
-            rope_theta = main.get("rope_theta", rope_theta)
-            compress_theta = compress.get("rope_theta", compress_theta)
-            if compress.get("rope_type", compress.get("type")) == "yarn":
-                yarn_raw = compress
-        else:
-            scaling = raw.get("rope_scaling") or (params if isinstance(params, dict) else None)
-            if scaling and scaling.get("rope_type", scaling.get("type")) == "yarn":
-                yarn_raw = scaling
-        yarn = None
-        if yarn_raw is not None:
-            try:
-                yarn = Yarn(
-                    factor=float(yarn_raw["factor"]),
-                    original_max_position_embeddings=int(yarn_raw["original_max_position_embeddings"]),
-                    beta_fast=float(yarn_raw.get("beta_fast") or 32),
-                    beta_slow=float(yarn_raw.get("beta_slow") or 1),
-                )
-            except KeyError as e:
-                raise ConfigError(f"{source}: field 'rope_scaling.{e.args[0]}' is missing (yarn)") from None
-
-        quant = raw.get("quantization_config")
+        quant = f.get("quantization_config", dict, None)
+        expert_dtype = f.get("expert_dtype", str, None)
+        if expert_dtype is None and quant is not None:
+            expert_dtype = JsonFields(quant, source, ConfigError, "quantization_config.").get("expert_dtype", str, None)
+        eos = f.get("eos_token_id", (int, list), None)
+        if isinstance(eos, list):
+            eos = f.items("eos_token_id", int, most=1024)
         cfg = cls(
-            vocab_size=need("vocab_size"),
-            hidden_size=need("hidden_size"),
-            moe_intermediate_size=get("moe_intermediate_size", get("intermediate_size", None)) or need("moe_intermediate_size"),
+            vocab_size=size("vocab_size"),
+            hidden_size=size("hidden_size"),
+            moe_intermediate_size=size("moe_intermediate_size",
+                                       size("intermediate_size", None, bound="moe_intermediate_size") or MISSING),
             num_hidden_layers=n_layers,
-            num_attention_heads=need("num_attention_heads"),
+            num_attention_heads=size("num_attention_heads"),
             head_dim=head_dim,
-            q_lora_rank=need("q_lora_rank"),
+            q_lora_rank=size("q_lora_rank"),
             qk_rope_head_dim=rope_dim,
-            o_groups=need("o_groups"),
-            o_lora_rank=need("o_lora_rank"),
-            sliding_window=get("sliding_window", 128),
-            layer_types=layer_types,
-            compress_rates={CSA: compress_rates[CSA], HCA: compress_rates[HCA]},
-            mlp_layer_types=mlp_layer_types,
-            rope_theta=float(rope_theta),
-            compress_rope_theta=float(compress_theta),
+            o_groups=size("o_groups"),
+            o_lora_rank=size("o_lora_rank"),
+            sliding_window=size("sliding_window", 128),
+            layer_types=tuple(layer_types),
+            compress_rates=compress_rates,
+            mlp_layer_types=tuple(mlp_layer_types),
+            rope_theta=rope_theta,
+            compress_rope_theta=compress_theta,
             yarn=yarn,
-            index_n_heads=get("index_n_heads", 64),
-            index_head_dim=get("index_head_dim", 128),
-            index_topk=get("index_topk", 512),
-            hc_mult=get("hc_mult", 4),
-            hc_sinkhorn_iters=get("hc_sinkhorn_iters", 20),
-            hc_eps=float(get("hc_eps", 1e-6)),
-            n_routed_experts=need("n_routed_experts"),
-            num_experts_per_tok=need("num_experts_per_tok"),
-            n_shared_experts=get("n_shared_experts", 1),
-            routed_scaling_factor=float(get("routed_scaling_factor", 1.5)),
-            swiglu_limit=float(get("swiglu_limit", 10.0)),
-            rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
+            index_n_heads=size("index_n_heads", 64),
+            index_head_dim=size("index_head_dim", 128),
+            index_topk=size("index_topk", 512),
+            hc_mult=size("hc_mult", 4),
+            hc_sinkhorn_iters=size("hc_sinkhorn_iters", 20),
+            hc_eps=number("hc_eps", 1e-6),
+            n_routed_experts=size("n_routed_experts"),
+            num_experts_per_tok=size("num_experts_per_tok"),
+            n_shared_experts=size("n_shared_experts", 1, low=0),
+            routed_scaling_factor=number("routed_scaling_factor", 1.5),
+            swiglu_limit=number("swiglu_limit", 10.0),
+            rms_norm_eps=number("rms_norm_eps", 1e-6),
             num_nextn_predict_layers=n_mtp,
-            max_position_embeddings=get("max_position_embeddings", 1048576),
-            num_key_value_heads=get("num_key_value_heads", 1),
-            scoring_func=get("scoring_func", "sqrtsoftplus"),
-            norm_topk_prob=bool(get("norm_topk_prob", True)),
-            tie_word_embeddings=bool(get("tie_word_embeddings", False)),
-            bos_token_id=get("bos_token_id", 0),
-            eos_token_id=get("eos_token_id", 1),
-            torch_dtype=str(get("torch_dtype", get("dtype", "bfloat16"))),
-            quantization=dict(quant) if isinstance(quant, dict) else None,
-            expert_dtype=get("expert_dtype", quant.get("expert_dtype") if isinstance(quant, dict) else None),
+            max_position_embeddings=size("max_position_embeddings", 1048576),
+            num_key_value_heads=f.get("num_key_value_heads", int, 1),
+            scoring_func=f.get("scoring_func", str, "sqrtsoftplus"),
+            norm_topk_prob=f.get("norm_topk_prob", bool, True),
+            tie_word_embeddings=f.get("tie_word_embeddings", bool, False),
+            bos_token_id=f.get("bos_token_id", int, None) if "bos_token_id" in raw else 0,
+            eos_token_id=eos if "eos_token_id" in raw else 1,
+            torch_dtype=f.get("torch_dtype", str, None) or f.get("dtype", str, "bfloat16"),
+            quantization=dict(quant) if quant is not None else None,
+            expert_dtype=expert_dtype,
+            dspark=dspark,
             source=source,
         )
         cfg.validate()
@@ -285,6 +308,7 @@ class V4Config:
         d = asdict(self)
         d.pop("source")
         d.pop("yarn")
+        d.update(d.pop("dspark") or {})
         d["layer_types"] = list(self.layer_types)
         d["mlp_layer_types"] = list(self.mlp_layer_types)
         d["quantization_config"] = d.pop("quantization")
@@ -302,19 +326,14 @@ class V4Config:
         src = self.source
 
         def fail(name: str, why: str, value: Any) -> None:
-            raise ConfigError(f"{src}: field '{name}' {why} (got {value!r})")
+            raise ConfigError(f"{src}: field '{name}' {why} (got {shown(value)})")
 
-        for name in ("vocab_size", "hidden_size", "moe_intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "head_dim", "q_lora_rank", "o_groups", "o_lora_rank", "sliding_window", "index_n_heads",
-                     "index_head_dim", "index_topk", "hc_mult", "hc_sinkhorn_iters", "n_routed_experts",
-                     "num_experts_per_tok", "max_position_embeddings"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                fail(name, "must be a positive integer", v)
-        for name in ("n_shared_experts", "num_nextn_predict_layers"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 0:
-                fail(name, "must be an integer >= 0", v)
+        for name, bound in SIZE_BOUNDS.items():
+            if name == "compress_rate":
+                continue
+            v, low = getattr(self, name), 0 if name in ("n_shared_experts", "num_nextn_predict_layers") else 1
+            if not isinstance(v, int) or isinstance(v, bool) or not low <= v <= bound:
+                fail(name, f"must be an integer from {low} to {bound}", v)
         for name in ("rms_norm_eps", "hc_eps", "rope_theta", "compress_rope_theta", "swiglu_limit",
                      "routed_scaling_factor"):
             v = getattr(self, name)
@@ -348,17 +367,20 @@ class V4Config:
             if t not in (HASH_MOE, MOE):
                 fail("mlp_layer_types", f"entries must be one of {(HASH_MOE, MOE)}", t)
         for kind, m in self.compress_rates.items():
-            if not isinstance(m, int) or m < 2:
-                fail(f"compress_rates.{kind}", "must be an integer >= 2", m)
+            if not isinstance(m, int) or not 2 <= m <= SIZE_BOUNDS["compress_rate"]:
+                fail(f"compress_rates.{kind}", f"must be an integer from 2 to {SIZE_BOUNDS['compress_rate']}", m)
         if self.compress_rates[CSA] == self.compress_rates[HCA]:
             fail("compress_rates", "CSA and HCA must use different ratios", self.compress_rates)
         if self.yarn is not None:
-            if not (self.yarn.factor >= 1):
-                fail("rope_scaling.factor", "must be >= 1", self.yarn.factor)
-            if self.yarn.original_max_position_embeddings < 1:
-                fail("rope_scaling.original_max_position_embeddings", "must be >= 1",
-                     self.yarn.original_max_position_embeddings)
-        if self.num_nextn_predict_layers > 1:
+            y = self.yarn
+            if not (math.isfinite(y.factor) and y.factor >= 1):
+                fail("rope_scaling.factor", "must be a finite number >= 1", y.factor)
+            if not 1 <= y.original_max_position_embeddings <= SIZE_BOUNDS["max_position_embeddings"]:
+                fail("rope_scaling.original_max_position_embeddings",
+                     f"must be from 1 to {SIZE_BOUNDS['max_position_embeddings']}", y.original_max_position_embeddings)
+            if not (math.isfinite(y.beta_fast) and math.isfinite(y.beta_slow)):
+                fail("rope_scaling.beta_fast", "and beta_slow must be finite", (y.beta_fast, y.beta_slow))
+        if self.num_nextn_predict_layers > 1 and self.dspark is None:
             fail("num_nextn_predict_layers", "must be 0 or 1 (v4engine drafts with the original V4 mtp.0 layer)",
                  self.num_nextn_predict_layers)
 

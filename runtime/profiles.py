@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from .engine_folder import EngineFormatError
 from .errors import V4EngineError
 
 Shape = tuple[int, ...]
@@ -38,6 +39,18 @@ class Profile:
         return sum(math.prod(hi) for _, _, hi in self.shapes.values())
 
 
+def recorded_profiles(compiled: Any, graph: str, source: str) -> list[Profile]:
+    """The profiles engine.json's build.compile records for `graph`, type-checked (engine.json is untrusted)."""
+    try:
+        profiles = [Profile.from_dict(p) for p in compiled["profiles"][graph]]
+        if not profiles or not all(isinstance(p.name, str) and all(isinstance(d, int) for r in p.shapes.values()
+                                                                    for s in r for d in s) for p in profiles):
+            raise ValueError
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise EngineFormatError(f"{source}: field 'build.compile.profiles.{graph}' is missing or malformed") from None
+    return profiles
+
+
 def choose_profile(profiles: list[Profile], shapes: dict[str, Shape]) -> int:
     """Index of the tightest profile covering `shapes`; ProfileError naming the call when none does."""
     covering = [i for i, p in enumerate(profiles) if p.covers(shapes)]
@@ -48,4 +61,4 @@ def choose_profile(profiles: list[Profile], shapes: dict[str, Shape]) -> int:
     return min(covering, key=lambda i: profiles[i].volume())
 
 
-__all__ = ["Profile", "ProfileError", "choose_profile"]
+__all__ = ["Profile", "ProfileError", "choose_profile", "recorded_profiles"]

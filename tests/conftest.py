@@ -66,3 +66,19 @@ def trained_engine(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("trained") / "engine"
     build(BuildOptions(checkpoint=TRAINED, output=out, mtp=3, progress=False))
     return out
+
+
+@pytest.fixture
+def engine_copy(tiny_engine, tmp_path) -> Path:
+    """A copy of a good tiny engine (config mixed, --mtp 3) for a test to damage or attack."""
+    import shutil
+
+    return Path(shutil.copytree(tiny_engine("mixed")[1], tmp_path / "engine", symlinks=True))
+
+
+@pytest.fixture
+def secret(tmp_path) -> Path:
+    """A file outside the folders under attack, whose bytes no output may show (hostile.SECRET)."""
+    from hostile import canary
+
+    return canary(tmp_path / "outside")

@@ -40,7 +40,7 @@ def shard(folder: Path, i: int = 0) -> Path:
 def test_a_good_checkpoint_checks_out(checkpoint):
     result = v4build("check", "--checkpoint", checkpoint, "--mtp", "3")
     assert result.returncode == 0, result.stderr
-    assert "mtp layer: yes" in result.stdout
+    assert "draft module: mtp" in result.stdout
 
 
 def test_missing_shard(checkpoint):

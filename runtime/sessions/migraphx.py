@@ -15,8 +15,9 @@ from typing import Any
 import numpy as np
 
 from ..engine import EngineManifest
+from ..engine_folder import EngineFolder
 from ..errors import V4EngineError
-from ..profiles import Profile, choose_profile
+from ..profiles import choose_profile, recorded_profiles
 from . import EngineSession
 
 PROVIDER = "MIGraphXExecutionProvider"
@@ -36,25 +37,28 @@ def _migraphx() -> Any | None:
 
 class MIGraphXSession(EngineSession):
     def __init__(self, engine_dir: str | Path, manifest: EngineManifest, graph: str):
-        engine_dir = Path(engine_dir)
+        folder = EngineFolder(engine_dir)
         entry = manifest.graphs[graph]
         self.inputs, self.outputs = entry.inputs, entry.outputs
         compiled = manifest.build.get("compile", {})
-        programs = (compiled.get("programs") or {}).get(graph)
+        programs = compiled.get("programs") if isinstance(compiled, dict) else None
+        programs = programs.get(graph) if isinstance(programs, dict) else None
         migraphx = _migraphx()
         self._programs: list[Any] = []
         self._onnxruntime = None
         if migraphx is not None and programs:
             self._migraphx = migraphx
-            self._profiles = [Profile.from_dict(p) for p in compiled["profiles"][graph]]
-            files = {p["profile"]: p["file"] for p in programs}
-            self._programs = [migraphx.load(str(engine_dir / files[p.name])) for p in self._profiles]
+            self._profiles = recorded_profiles(compiled, graph, str(folder.manifest_path))
+            files = {p.get("profile"): p.get("file") for p in programs if isinstance(p, dict)}
+            field = f"build.compile.programs.{graph}"
+            # migraphx.load takes a path: the path is checked to stay inside the engine folder first
+            self._programs = [migraphx.load(str(folder.path(files.get(p.name), field))) for p in self._profiles]
             return
         import onnxruntime as ort
 
         if PROVIDER not in ort.get_available_providers():
             raise MIGraphXUnavailable(
-                f"{engine_dir} is a MIGraphX engine: install MIGraphX's Python module (and run compile_migraphx.sh "
+                f"{folder.directory} is a MIGraphX engine: install MIGraphX's Python module (and run compile_migraphx.sh "
                 f"there) or onnxruntime-migraphx, on a ROCm machine")
         from .onnxruntime import OnnxRuntimeSession
 

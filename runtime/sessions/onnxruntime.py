@@ -1,4 +1,11 @@
-"""ONNX Runtime session over one graph of an engine directory (CPU by default, CUDA when asked and present)."""
+"""ONNX Runtime session over one graph of an engine directory (CPU by default, CUDA when asked and present).
+
+ONNX Runtime never opens a file of the engine itself: the graph arrives as bytes, and every weight file as a
+read-only memory map, each checked first (engine_folder.py). That keeps reads inside the engine folder (ONNX
+Runtime's own refusal of external data outside the model folder does not apply to memory maps), and it makes
+engines whose weights are symlinks load like any other (ONNX Runtime takes in-memory weight files for all of a
+graph's locations or for none).
+"""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,6 +14,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ..engine import EngineManifest
+from ..engine_folder import EngineFolder, EngineFormatError, read_graph
 from . import EngineSession
 
 
@@ -17,8 +25,10 @@ class OnnxRuntimeSession(EngineSession):
         its memory-mapped file (no graph optimization, no prepacking): memory stays flat in the model size.
         `alternating`: this session takes turns with another (target and MTP draft). Then its idle pool threads
         must not spin: two spinning pools on the same cores made MTP = 3 slower than no drafting (0.73x)."""
-        engine_dir = Path(engine_dir)
+        folder = EngineFolder(engine_dir)
         entry = manifest.graphs[graph]
+        weights = folder.map_weights(manifest.weights)
+        model = read_graph(folder, entry, weights)
         options = ort.SessionOptions()
         if threads:
             options.intra_op_num_threads = threads
@@ -27,18 +37,19 @@ class OnnxRuntimeSession(EngineSession):
         if load_check:
             options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
             options.add_session_config_entry("session.disable_prepacking", "1")
-            options.add_session_config_entry("session.use_external_initializer_file_buffers_directly", "1")
         else:   # fold DequantizeLinear of FP8/FP4 weights once at load instead of dequantizing them every call
             options.add_session_config_entry("session.disable_quant_qdq", "1")
-        # ONNX Runtime refuses external data that resolves outside the model folder, so weight files that are
-        # symlinks into the checkpoint are handed over as memory maps (no copy of the file is made).
-        mapped = [(w.file, np.memmap(engine_dir / w.file, dtype=np.uint8, mode="r"))
-                  for w in manifest.weights if load_check or (engine_dir / w.file).is_symlink()]
-        if mapped:
+        if weights.maps:        # used in place, not copied: the maps live as long as the session (self._weights)
+            options.add_session_config_entry("session.use_external_initializer_file_buffers_directly", "1")
             options.add_external_initializers_from_files_in_memory(
-                [name for name, _ in mapped], [m for _, m in mapped], [m.nbytes for _, m in mapped])
-        self._session = ort.InferenceSession(str(engine_dir / entry.file), options,
-                                             providers=providers or ["CPUExecutionProvider"])
+                list(weights.maps), list(weights.maps.values()), [m.nbytes for m in weights.maps.values()])
+        try:
+            self._session = ort.InferenceSession(model, options, providers=providers or ["CPUExecutionProvider"])
+        except Exception as e:      # noqa: BLE001 - ONNX Runtime's errors share no base class below Exception
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise EngineFormatError(f"{folder.directory / entry.file}: ONNX Runtime cannot load it ({reason})") from None
+        weights.release_pages()
+        self._weights = weights
         self.inputs, self.outputs = entry.inputs, entry.outputs
         self._output_names = [o.name for o in entry.outputs]
 

@@ -19,9 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from ..engine import EngineFormatError, EngineManifest
+from ..engine import EngineManifest
+from ..engine_folder import EngineFolder, EngineFormatError
 from ..errors import V4EngineError
-from ..profiles import Profile, choose_profile
+from ..profiles import choose_profile, recorded_profiles
 from . import EngineSession
 
 
@@ -47,23 +48,27 @@ def _import_tensorrt() -> tuple[Any, Any]:
 
 class TensorRTSession(EngineSession):
     def __init__(self, engine_dir: str | Path, manifest: EngineManifest, graph: str, device: int = 0):
-        engine_dir = Path(engine_dir)
+        folder = EngineFolder(engine_dir)
+        engine_dir = folder.directory
         if manifest.dtype == "bf16":
             raise TensorRTUnavailable(f"{engine_dir}: a bf16 TensorRT engine does not run in this runtime yet (its "
                                       "caches are numpy arrays, which have no bfloat16); build with --dtype fp16")
         trt, torch = _import_tensorrt()
         compiled = manifest.build.get("compile", {})
-        plans = compiled.get("plans")
+        plans = compiled.get("plans") if isinstance(compiled, dict) else None
         if not plans:
             raise EngineFormatError(f"{engine_dir}: the TensorRT engines were not built (--onnx-only); rebuild with "
                                     "v4build --backend tensorrt on a machine with TensorRT")
         self._torch, self._device = torch, torch.device("cuda", device)
-        self._profiles = [Profile.from_dict(p) for p in compiled["profiles"][graph]]
+        self._profiles = recorded_profiles(compiled, graph, str(folder.manifest_path))
+        built = plans.get(graph) if isinstance(plans, dict) else None
+        plan = built.get("plan") if isinstance(built, dict) else None
+        data = folder.read_bytes(plan, f"build.compile.plans.{graph}.plan", "compiled")
         self._logger = trt.Logger(trt.Logger.WARNING)
         self._runtime = trt.Runtime(self._logger)
-        self._engine = self._runtime.deserialize_cuda_engine((engine_dir / plans[graph]["plan"]).read_bytes())
+        self._engine = self._runtime.deserialize_cuda_engine(data)
         if self._engine is None:
-            raise EngineFormatError(f"{engine_dir / plans[graph]['plan']}: TensorRT could not load this engine "
+            raise EngineFormatError(f"{engine_dir / plan}: TensorRT could not load this engine "
                                     "(built by another TensorRT version or for another GPU?)")
         self._context = self._engine.create_execution_context()
         self._stream = torch.cuda.Stream(self._device)

@@ -1,0 +1,116 @@
+"""A build stopped by Ctrl-C, SIGTERM or SIGHUP, in any stage, exits in one line (130, or 128 + the signal) and
+leaves nothing behind: no OUT, no staging folder, no lock. One stopped by SIGKILL cannot clean up; the next build
+into the same OUT recognises its staging folder (its owner is dead) and removes it."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from v4engine.builder import build as build_module
+from v4engine.builder.cli import main as v4build_main
+from v4engine.runtime import staging
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_checkpoint) -> Path:
+    return tiny_checkpoint("split_groups")
+
+
+def start_build(checkpoint: Path, out: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "v4engine.builder.cli", "--checkpoint", str(checkpoint),
+                             "--output", str(out), "--mtp", "1", "--quiet"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_staging(out: Path, process: subprocess.Popen) -> Path:
+    deadline = time.time() + 120
+    while time.time() < deadline and process.poll() is None:
+        found = list(out.parent.glob(f".{out.name}.building-*"))
+        if found:
+            return found[0]
+        time.sleep(0.05)
+    raise AssertionError("the build never made its staging folder")
+
+
+def leftovers(out: Path) -> list[str]:
+    return sorted(p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.") or p == out)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_mid_build_cleans_up(checkpoint, tmp_path, signum):
+    out = tmp_path / "out"
+    build = start_build(checkpoint, out)
+    wait_for_staging(out, build)
+    time.sleep(0.5)                                              # inside the export
+    build.send_signal(signum)
+    _, err = build.communicate(timeout=120)
+    assert build.returncode == 128 + signum
+    assert err.strip().splitlines() == [f"v4build: interrupted ({signal.Signals(signum).name})"], err
+    assert leftovers(out) == []
+
+
+STAGES = ["open_checkpoint", "export_graph", "attach_weights", "prepare_graph", "check_graph", "compile_engine"]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_ctrl_c_in_any_stage_exits_130_and_leaves_nothing(checkpoint, tmp_path, monkeypatch, capsys, stage):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(build_module, stage, interrupted)
+    out = tmp_path / "out"
+    assert v4build_main(["--checkpoint", str(checkpoint), "--output", str(out), "--mtp", "1", "--quiet"]) == 130
+    assert capsys.readouterr().err.strip().splitlines() == ["v4build: interrupted"]
+    assert leftovers(out) == []
+
+
+def test_a_second_build_into_the_same_output_refuses_while_the_first_runs(checkpoint, tmp_path):
+    out = tmp_path / "out"
+    first = start_build(checkpoint, out)
+    wait_for_staging(out, first)
+    second = subprocess.run([sys.executable, "-m", "v4engine.builder.cli", "--checkpoint", str(checkpoint),
+                             "--output", str(out), "--mtp", "0", "--quiet", "--force"], capture_output=True,
+                            text=True, timeout=120)
+    assert second.returncode == 1
+    assert second.stderr.strip().splitlines() == [f"v4build: error: {out}: another process is writing it now "
+                                                  f"(it holds {tmp_path / '.out.lock'}); refused"]
+    _, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err
+    assert json.loads((out / "engine.json").read_text())["mtp"] == 1, "the first build's engine, untouched"
+    assert leftovers(out) == ["out"]
+
+
+def test_a_staging_folder_left_by_sigkill_is_removed_by_the_next_build(checkpoint, tmp_path):
+    out = tmp_path / "out"
+    killed = start_build(checkpoint, out)
+    stale = wait_for_staging(out, killed)
+    killed.kill()
+    killed.wait()
+    assert stale.exists()
+    alive = tmp_path / ".out.building-alive"          # a staging folder whose owner (this test) still runs
+    alive.mkdir()
+    (alive / staging.OWNER).write_text(json.dumps(staging._me()))
+    result = subprocess.run([sys.executable, "-m", "v4engine.builder.cli", "--checkpoint", str(checkpoint),
+                             "--output", str(out), "--mtp", "0", "--quiet"], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert not stale.exists()
+    assert alive.exists(), "a live owner's staging folder is not ours to remove"
+    assert leftovers(out) == [".out.building-alive", "out"]
+
+
+def test_a_pid_reused_by_another_process_does_not_keep_a_dead_staging_folder(tmp_path):
+    out = tmp_path / "out"
+    stale = tmp_path / ".out.building-reused"
+    stale.mkdir()
+    owner = staging._me() | {"start": "0"}             # this pid, but not this process's start time
+    (stale / staging.OWNER).write_text(json.dumps(owner))
+    assert staging.remove_dead_staging(out) == [stale]
+    assert os.getpid() == owner["pid"]

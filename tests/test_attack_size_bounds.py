@@ -1,0 +1,97 @@
+"""Sizes are bounded before anything is allocated: a 1 KB config.json (or engine.json) that claims a huge model is
+refused in one line, at once and in little memory, by its bounds (V4Config's SIZE_BOUNDS) or by the checkpoint's
+own headers, which are compared with the config before any model is built."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from hostile import assert_one_line
+from v4engine.runtime.config import SIZE_BOUNDS
+from v4engine.runtime.engine import EngineFormatError, EngineManifest
+
+MAX_RSS_MIB = 1024
+
+
+def check(checkpoint: Path) -> tuple[subprocess.CompletedProcess, float]:
+    """`v4build check` on the folder: its result and the peak RSS of that process alone, in MiB."""
+    process = subprocess.Popen([sys.executable, "-m", "v4engine.builder.cli", "check", "--checkpoint",
+                                str(checkpoint)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    guard = threading.Timer(120, process.kill)             # a hang guard, not a timing verdict
+    guard.start()
+    _, status, usage = os.wait4(process.pid, 0)
+    guard.cancel()
+    result = subprocess.CompletedProcess(process.args, os.waitstatus_to_exitcode(status), process.stdout.read(),
+                                         process.stderr.read())
+    return result, usage.ru_maxrss / 1024
+
+
+@pytest.fixture
+def checkpoint(tiny_checkpoint, tmp_path) -> Path:
+    return Path(shutil.copytree(tiny_checkpoint("mixed"), tmp_path / "ckpt"))
+
+
+def set_config(checkpoint: Path, **fields) -> None:
+    config = json.loads((checkpoint / "config.json").read_text())
+    config.update(fields)
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    assert (checkpoint / "config.json").stat().st_size < 4096
+
+
+@pytest.mark.parametrize("field, value", [
+    ("n_routed_experts", 10_000_000),
+    ("num_hidden_layers", 1_000_000),
+    ("hc_sinkhorn_iters", 10**9),
+    ("sliding_window", 10**9),
+    ("vocab_size", 10**12),
+    ("index_topk", 2**63),
+    ("max_position_embeddings", 10**15),
+])
+def test_a_size_beyond_its_bound_is_refused_at_once(checkpoint, field, value):
+    set_config(checkpoint, **{field: value})
+    result, peak = check(checkpoint)
+    assert_one_line(result, f"field '{field}'", "must be an integer from")
+    assert peak < MAX_RSS_MIB, f"{peak:.0f} MiB"
+
+
+@pytest.mark.parametrize("field, value, needle", [
+    ("num_hidden_layers", SIZE_BOUNDS["num_hidden_layers"], "but the checkpoint holds 4 layers"),
+    ("n_routed_experts", SIZE_BOUNDS["n_routed_experts"], "but layer 0 of the checkpoint holds 4 experts"),
+    ("vocab_size", 500_000, "but embed.weight has shape"),
+])
+def test_a_size_within_bounds_that_the_headers_contradict_is_refused_before_any_model(checkpoint, field, value,
+                                                                                      needle):
+    extra = {"compress_ratios": [0] * (value + 1), "num_hash_layers": 0} if field == "num_hidden_layers" else {}
+    set_config(checkpoint, **{field: value}, **extra)
+    result, peak = check(checkpoint)
+    assert_one_line(result, f"field '{field}'", needle)
+    assert peak < MAX_RSS_MIB, f"{peak:.0f} MiB"
+
+
+@pytest.mark.parametrize("where, value, needle", [
+    (("model", "sliding_window"), 10**9, "field 'sliding_window' must be an integer from"),
+    (("model", "sliding_window"), 64, "does not describe the target graph"),
+    (("caches", "groups", "target", 0, "rows_fixed"), 10**9, "caches.groups' is not what the model config implies"),
+    (("model", "vocab_size"), 4096, "does not describe the target graph"),
+    (("build", "max_seq_len"), 10**9, "max_seq_len must be an integer from 2 to"),
+    (("build", "max_batch"), 10**9, "max_batch must be an integer from 1 to"),
+    (("mtp",), 10**6, "field 'mtp' must be an integer from 0 to"),
+])
+def test_engine_json_sizes_are_bounded_and_must_agree_with_each_other(engine_copy, where, value, needle):
+    engine = engine_copy
+    data = json.loads((engine / "engine.json").read_text())
+    node = data
+    for key in where[:-1]:
+        node = node[key]
+    node[where[-1]] = value
+    (engine / "engine.json").write_text(json.dumps(data))
+    with pytest.raises(EngineFormatError, match=needle) as refused:
+        EngineManifest.read(engine)
+    assert "\n" not in str(refused.value)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from v4engine.builder.checkpoint import Checkpoint
 from v4engine.builder.cli import main as v4build
+from v4engine.runtime.engine import FORMAT_VERSION
 from v4engine.runtime.generator import Generator
 from v4engine.runtime.sampling import SamplingParams
 
@@ -24,12 +25,13 @@ SAMPLING = SamplingParams(max_new_tokens=60, ignore_eos=True)
 
 
 def engine_is_current() -> bool:
-    """An engine already built from this very checkpoint (same fingerprint) is reused."""
+    """An engine already built from this very checkpoint (same fingerprint), in this runtime's format, is reused."""
     manifest = ENGINE / "engine.json"
     if not manifest.exists():
         return False
-    built_from = json.loads(manifest.read_text()).get("checkpoint", {}).get("fingerprint")
-    return built_from == Checkpoint.open(CHECKPOINT).fingerprint()
+    written = json.loads(manifest.read_text())
+    return (written.get("format_version") == FORMAT_VERSION
+            and written.get("checkpoint", {}).get("fingerprint") == Checkpoint.open(CHECKPOINT).fingerprint())
 
 
 def main() -> int:

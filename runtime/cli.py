@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -37,39 +39,53 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Every failure is one line on stderr, never a traceback; the exit status says which kind."""
     args = parser().parse_args(argv)
     try:
-        prompt = args.prompt
-        if args.prompt_ids is not None:
-            try:
-                prompt = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
-            except ValueError:
-                raise V4EngineError(f"--prompt-ids must be comma-separated integers (got {args.prompt_ids!r})")
-        generator = Generator.from_engine_dir(args.engine_dir, mtp=args.mtp)
-        sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                  top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=tuple(args.stop),
-                                  ignore_eos=args.ignore_eos)
-        if args.stream and not args.json:     # text pieces never split a character nor show a stop string
-            detok = IncrementalDetokenizer(generator.tokenizer, sampling.stop) if generator.tokenizer else None
-            for chunk in generator.stream(prompt, sampling):
-                print(detok.add(chunk) if detok else " ".join(map(str, chunk)) + " ", end="", flush=True)
-            print(detok.finish() if detok else "")
-            print(generator.totals.table())
-            return 0
-        [result] = generator.generate([prompt], sampling)
+        return run(args)
     except V4EngineError as e:
         print(f"v4generate: error: {e}", file=sys.stderr)
         return 1
-    if args.json:
-        metrics = {k: result.metrics[k] for k in ("drafted", "accepted", "acceptance_rate", "mean_acceptance_length",
-                                                   "per_position_acceptance", "verify_steps",
-                                                   "time_to_first_token", "tokens_per_second")}
-        print(json.dumps({"token_ids": result.token_ids, "text": result.text, "finish_reason": result.finish_reason,
-                          "metrics": metrics}))
-    else:
-        print(result.text if result.text is not None else " ".join(map(str, result.token_ids)))
-        print()
+    except KeyboardInterrupt:
+        print("v4generate: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT                      # as a shell reports a command that Ctrl-C ended
+    except BrokenPipeError:
+        # The reader closed stdout (`v4generate ... | head`): nothing is left to say to anyone. Python would flush
+        # stdout again at exit and report that failure too, so stdout becomes devnull (the Python docs' advice,
+        # "Note on SIGPIPE").
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
+
+
+def run(args: argparse.Namespace) -> int:
+    prompt = args.prompt
+    if args.prompt_ids is not None:
+        try:
+            prompt = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+        except ValueError:
+            raise V4EngineError(f"--prompt-ids must be comma-separated integers (got {args.prompt_ids!r})") from None
+    generator = Generator.from_engine_dir(args.engine_dir, mtp=args.mtp)
+    sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                              top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+    if args.stream and not args.json:       # text pieces never split a character nor show a stop string
+        detok = IncrementalDetokenizer(generator.tokenizer, sampling.stop) if generator.tokenizer else None
+        for chunk in generator.stream(prompt, sampling):
+            print(detok.add(chunk) if detok else " ".join(map(str, chunk)) + " ", end="", flush=True)
+        print(detok.finish() if detok else "")
         print(generator.totals.table())
+    else:
+        [result] = generator.generate([prompt], sampling)
+        if args.json:
+            metrics = {k: result.metrics[k] for k in ("drafted", "accepted", "acceptance_rate",
+                                                       "mean_acceptance_length", "per_position_acceptance",
+                                                       "verify_steps", "time_to_first_token", "tokens_per_second")}
+            print(json.dumps({"token_ids": result.token_ids, "text": result.text,
+                              "finish_reason": result.finish_reason, "metrics": metrics}))
+        else:
+            print(result.text if result.text is not None else " ".join(map(str, result.token_ids)))
+            print()
+            print(generator.totals.table())
+    sys.stdout.flush()                      # a closed stdout fails here, inside main's handlers, not at exit
     return 0
 
 

@@ -4,33 +4,45 @@
     [result] = gen.generate(["def fib(n):"], SamplingParams(max_new_tokens=32))
     print(result.text, result.metrics["mean_acceptance_length"])
     for token_ids in gen.stream("def fib(n):", SamplingParams(max_new_tokens=32)): ...
+
+Any number of threads may share one Generator (see the class's docstring).
 """
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import reprlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from .detokenize import final_text
-from .engine import EngineManifest
+from .detokenize import IncrementalDetokenizer, final_text
+from .engine import EngineManifest, check_limits
+from .engine_folder import EngineFolder, EngineFormatError
 from .metrics import RequestMetrics
-from .sampling import RequestError, SamplingParams
+from .sampling import RequestError, SamplingParams, is_integer
 from .scheduler import Request, Scheduler
 from .sessions import open_session
 
 Prompt = str | Sequence[int]
+TOKENIZER = "tokenizer.json"
 
 
 def load_tokenizer(engine_dir: str | Path):
-    """The engine directory's tokenizer.json as a `tokenizers.Tokenizer`, or None when it has none."""
-    path = Path(engine_dir) / "tokenizer.json"
-    if not path.is_file():
+    """The engine directory's tokenizer.json as a `tokenizers.Tokenizer`, or None when it has none. Read through
+    the engine folder's checks (a link out of the folder is refused), then parsed from memory."""
+    folder = EngineFolder(engine_dir)
+    if not folder.exists(TOKENIZER):
         return None
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_file(str(path))
+    data = folder.read_bytes(TOKENIZER, "tokenizer", "tokenizer")
+    try:
+        return Tokenizer.from_str(data.decode("utf-8"))
+    except Exception as e:      # noqa: BLE001 - the tokenizers library raises plain Exceptions
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise EngineFormatError(f"{folder.directory / TOKENIZER}: not a tokenizer file ({reason[:200]})") from None
 
 
 def encode_text(tokenizer, text: str) -> list[int]:
@@ -51,9 +63,23 @@ SHAPE_SPECIALIZED = ("tensorrt", "migraphx")       # engines built for shapes up
 
 
 class Generator:
+    """An engine directory's scheduler, its tokenizer, and the metrics totals of the requests it served.
+
+    Thread safety, by a lock (no thread of its own): every public method may be called from any thread. One
+    lock guards the scheduler and the totals. A caller that needs progress takes the lock, runs one scheduler
+    step and lets it go; the step moves every request in flight, other callers' too, so concurrent calls share
+    engine calls. Each caller reads its own requests' progress from them, under the lock, never from a step's
+    result: each gets exactly the tokens it would get alone. ServingLoop steps through the same lock, so it may
+    serve alongside direct calls. A failed step ends every request in flight with its error, which each caller
+    raises: no one is left waiting. `scheduler` itself is not thread-safe: go through these methods.
+    """
+
     def __init__(self, engine_dir: Path, manifest: EngineManifest, scheduler: Scheduler, tokenizer=None):
         self.engine_dir, self.manifest, self.scheduler, self.tokenizer = engine_dir, manifest, scheduler, tokenizer
         self.totals = RequestMetrics(mtp=scheduler.mtp)
+        self._lock = threading.RLock()          # re-entrant for `cancel` during a step on the same thread
+        self._stepping = False
+        self._cancelled_in_step: list[Request] = []
 
     @classmethod
     def from_engine_dir(cls, path: str | Path, backend: str | None = None, mtp: int | None = None,
@@ -74,6 +100,7 @@ class Generator:
         built = manifest.limits
         asked = {"max_batch": max_batch or built["max_batch"], "max_seq_len": max_seq_len or built["max_seq_len"],
                  "max_prefill_chunk": max_prefill_chunk or built["max_prefill_chunk"]}
+        check_limits(asked, manifest.model, str(path), RequestError)
         if manifest.backend in SHAPE_SPECIALIZED:
             for name, value in asked.items():
                 if value > built[name]:
@@ -90,26 +117,90 @@ class Generator:
         scheduler = Scheduler(manifest, target, draft, mtp, max_cache_bytes=max_cache_bytes, **asked)
         return cls(path, manifest, scheduler, load_tokenizer(path))
 
-    # ------------------------------------------------------------------ prompts and text
+    # ------------------------------------------------------------------ prompts and requests
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError(f"{self.engine_dir} has no tokenizer.json; pass token ids instead of text")
             return encode_text(self.tokenizer, prompt)
+        if not isinstance(prompt, (Sequence, np.ndarray)):
+            raise RequestError(f"a prompt is text or token ids (got {reprlib.repr(prompt)})")
+        for t in prompt:
+            if not is_integer(t):
+                raise RequestError(f"a prompt is text or token ids; {reprlib.repr(t)} is not a token id")
         return [int(t) for t in prompt]
 
+    def check(self, ids: list[int], sampling: SamplingParams) -> None:
+        """Raise RequestError (one line) if the request cannot be served; reads only fixed limits: no lock."""
+        self.scheduler.validate(ids, sampling)
+        if sampling.stop and self.tokenizer is None:
+            raise RequestError(f"{self.engine_dir} has no tokenizer.json, which stop strings need")
+
     def submit(self, prompt: Prompt, sampling: SamplingParams) -> Request:
-        """Queue one request in the scheduler (stop strings included); the caller steps the scheduler."""
-        request = self.scheduler.submit(self.encode(prompt), sampling)
-        if sampling.stop and self.tokenizer is not None:
-            request.stop_check = lambda ids: any(s in self.tokenizer.decode(ids) for s in sampling.stop)
+        """Queue one request (RequestError, and nothing queued, if it cannot be served). Its owner drives it with
+        `advance` and reads it with `progress`; `cancel` ends it early."""
+        ids = self.encode(prompt)
+        self.check(ids, sampling)
+        stop_check = self._stop_check(sampling.stop) if sampling.stop else None
+        with self._lock:
+            request = self.scheduler.submit(ids, sampling)
+            request.stop_check = stop_check                # before any step can see the request
         return request
 
+    def _stop_check(self, stop: Sequence[str]) -> Callable[[int], bool]:
+        """Whether the text holds a stop string, given each new token: the work per token stays bounded."""
+        text = IncrementalDetokenizer(self.tokenizer, stop)
+
+        def holds_stop(token: int) -> bool:
+            text.add([token])
+            return text.stopped
+        return holds_stop
+
+    def cancel(self, request: Request) -> None:
+        """End `request` now and free its caches; one that already ended keeps its finish reason.
+
+        A stream that the garbage collector closes during a step on this very thread (the lock is re-entrant)
+        must not change the scheduler in mid-step: its request ends right after the step."""
+        with self._lock:
+            if self._stepping:
+                self._cancelled_in_step.append(request)
+            else:
+                self.scheduler.cancel(request)
+
+    def advance(self, requests: Sequence[Request]) -> bool:
+        """Run one scheduler step, for every request in flight, unless each of `requests` has ended (another
+        caller's step may have ended them); whether each has ended now. A failed step ends every request in
+        flight with its error (Request.error), which their owners raise: it is not raised here."""
+        with self._lock:
+            if any(r.finish_reason is None for r in requests):
+                self._stepping = True
+                try:
+                    self.scheduler.step()
+                except Exception:                          # noqa: BLE001 - it ended every request in flight,
+                    pass                                   # whose owners raise it (Request.error)
+                finally:
+                    self._stepping = False
+                    while self._cancelled_in_step:
+                        self.scheduler.cancel(self._cancelled_in_step.pop())
+            return all(r.finish_reason is not None for r in requests)
+
+    def progress(self, request: Request, seen: int = 0) -> tuple[list[int], bool]:
+        """(the tokens `request` generated after its first `seen`, whether it has ended), as of one moment."""
+        with self._lock:
+            return request.tokens[len(request.prompt) + seen:], request.finish_reason is not None
+
     def _result(self, r: Request) -> GenerationResult:
+        self._count(r)
         ids = r.generated
         text = final_text(self.tokenizer, ids, r.params.stop) if self.tokenizer is not None else None
-        self.totals.merge(r.metrics)
         return GenerationResult(r.prompt, ids, text, r.finish_reason or "", r.metrics.to_dict())
+
+    def _count(self, r: Request) -> None:
+        """Add an ended request to the totals, or raise the error of the failed step that ended it."""
+        if r.error is not None:
+            raise r.error
+        with self._lock:
+            self.totals.merge(r.metrics)
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -118,7 +209,7 @@ class Generator:
 
         `sampling` is one SamplingParams for all prompts or one per prompt. A bad prompt raises RequestError
         before anything is queued."""
-        if isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], (int, np.integer))):
+        if isinstance(prompts, str) or (len(prompts) > 0 and is_integer(prompts[0])):
             prompts = [prompts]
         if sampling is None or isinstance(sampling, SamplingParams):
             sampling = [sampling or SamplingParams()] * len(prompts)
@@ -126,27 +217,29 @@ class Generator:
             raise RequestError(f"{len(prompts)} prompts but {len(sampling)} sampling parameter sets")
         encoded = [self.encode(p) for p in prompts]
         for ids, s in zip(encoded, sampling):       # everything checked before anything is queued
-            self.scheduler.validate(ids, s)
+            self.check(ids, s)
         requests = [self.submit(ids, s) for ids, s in zip(encoded, sampling)]
         try:
-            while any(r.finish_reason is None for r in requests):
-                self.scheduler.step()
-        finally:                                   # an error mid-way must not leave requests holding caches
+            while not self.advance(requests):
+                pass
+        finally:                                   # an interrupt mid-way must not leave requests holding caches
             for r in requests:
-                if r.finish_reason is None:
-                    self.scheduler.cancel(r)
+                self.cancel(r)
         return [self._result(r) for r in requests]
 
     def stream(self, prompt: Prompt, sampling: SamplingParams | None = None) -> Iterator[list[int]]:
-        """Yield the token ids each step accepts (one to k+1 at a time) until the request finishes."""
+        """Yield the token ids the request gains until it ends: one to k+1 per step (more when other callers'
+        steps came in between). The lock is never held across a yield; a stream closed or dropped before its
+        end cancels its request."""
         request = self.submit(prompt, sampling or SamplingParams())
+        seen, ended = 0, False
         try:
-            while request.finish_reason is None:
-                step = self.scheduler.step()
-                if step.new_tokens.get(request.id):
-                    yield step.new_tokens[request.id]
+            while not ended:
+                self.advance([request])
+                tokens, ended = self.progress(request, seen)
+                seen += len(tokens)
+                if tokens and request.error is None:
+                    yield tokens
         finally:
-            if request.finish_reason is None:
-                self.scheduler.cancel(request)
-            else:
-                self.totals.merge(request.metrics)
+            self.cancel(request)
+        self._count(request)

@@ -8,19 +8,65 @@ distributed exactly as sampling the target alone with the same settings.
 """
 from __future__ import annotations
 
+import math
+import reprlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from .errors import V4EngineError
 
+MAX_STOP_STRINGS = 16            # stop strings per request
+MAX_STOP_LENGTH = 256            # characters per stop string
+MAX_SEED = 2**64 - 1
+
 
 class RequestError(V4EngineError):
     """A request that cannot be served as given (empty prompt, bad token id, bad sampling value, too long)."""
 
 
+def is_integer(value) -> bool:
+    """An int or a numpy integer; never a bool (True would pass for 1)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def is_finite(value) -> bool:
+    """A finite int, float or numpy number (an int beyond the floats' range is not); never a bool."""
+    if not (is_integer(value) or isinstance(value, (float, np.floating))):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def is_sequence(value) -> bool:
+    """A list or a tuple (a string is a sequence too, of characters: never what a caller means here)."""
+    return isinstance(value, (list, tuple))
+
+
 @dataclass(frozen=True)
 class SamplingParams:
+    """How one request generates. `validate` refuses, in one line naming the field, every value that cannot be
+    served exactly; nothing is clamped or reinterpreted.
+
+    max_new_tokens    an integer >= 1 (the engine's max_seq_len may end a request sooner: finish_reason "length")
+    temperature       a finite number >= 0; 0 is greedy. However tiny (1e-320 too) it samples exactly the T -> 0
+                      limit of the distribution: the argmax, uniform over exact ties
+    top_p             a number in (0, 1]; the smallest set of most likely tokens whose mass reaches it
+    top_k             an integer >= 0; 0 (or k >= the vocabulary) keeps every token
+    seed              None (fresh entropy) or an integer from 0 to 2**64 - 1
+    stop              at most MAX_STOP_STRINGS (16) non-empty strings of at most MAX_STOP_LENGTH (256) characters:
+                      generation stops once the text holds one, and the text ends where it begins. Bounded
+                      because the scheduler's thread checks them after every token of every request
+    stop_token_ids    token ids (the scheduler checks them against the vocabulary)
+    ignore_eos        a bool: do not stop at the end-of-sequence token
+    num_draft_tokens  None (the scheduler's mtp) or an integer from 0 to it (checked by the scheduler)
+
+    Refused: inf or NaN anywhere, bools for numbers, numbers given as text, a single string for `stop`.
+    """
+
     max_new_tokens: int = 64
     temperature: float = 0.0
     top_p: float = 1.0
@@ -29,30 +75,59 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
-    num_draft_tokens: int | None = None      # drafts per step for this request (0..the scheduler's mtp; None: mtp)
+    num_draft_tokens: int | None = None
 
     def validate(self) -> None:
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
-            raise RequestError(f"max_new_tokens must be a positive integer (got {self.max_new_tokens!r})")
-        if not (self.temperature >= 0):
-            raise RequestError(f"temperature must be >= 0 (got {self.temperature!r})")
-        if not (0 < self.top_p <= 1):
-            raise RequestError(f"top_p must be in (0, 1] (got {self.top_p!r})")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise RequestError(f"top_k must be an integer >= 0 (got {self.top_k!r})")
+        if not is_integer(self.max_new_tokens) or self.max_new_tokens <= 0:
+            raise RequestError(f"max_new_tokens must be a positive integer (got {reprlib.repr(self.max_new_tokens)})")
+        if not (is_finite(self.temperature) and self.temperature >= 0):
+            raise RequestError(f"temperature must be a finite number >= 0 (got {reprlib.repr(self.temperature)})")
+        if not (is_finite(self.top_p) and 0 < self.top_p <= 1):
+            raise RequestError(f"top_p must be a number in (0, 1] (got {reprlib.repr(self.top_p)})")
+        if not is_integer(self.top_k) or self.top_k < 0:
+            raise RequestError(f"top_k must be an integer >= 0 (got {reprlib.repr(self.top_k)})")
+        if self.seed is not None and not (is_integer(self.seed) and 0 <= self.seed <= MAX_SEED):
+            raise RequestError(f"seed must be an integer from 0 to 2**64 - 1 (got {reprlib.repr(self.seed)})")
+        check_stop(self.stop)
+        if not is_sequence(self.stop_token_ids):
+            raise RequestError(f"stop_token_ids must be a list of token ids (got {reprlib.repr(self.stop_token_ids)})")
+        for i, t in enumerate(self.stop_token_ids):
+            if not is_integer(t):
+                raise RequestError(f"stop_token_ids[{i}] must be a token id (got {reprlib.repr(t)})")
+        if not isinstance(self.ignore_eos, (bool, np.bool_)):
+            raise RequestError(f"ignore_eos must be true or false (got {reprlib.repr(self.ignore_eos)})")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
 
+def check_stop(stop: Sequence[str]) -> None:
+    """Refuse stop strings that are not a bounded sequence of non-empty strings, naming the one at fault."""
+    if not is_sequence(stop):
+        raise RequestError(f"stop must be a list of strings (got {reprlib.repr(stop)})")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise RequestError(f"stop holds {len(stop)} strings; at most {MAX_STOP_STRINGS} are served")
+    for i, s in enumerate(stop):
+        if not isinstance(s, str) or not s:
+            raise RequestError(f"stop[{i}] must be a non-empty string (got {reprlib.repr(s)})")
+        if len(s) > MAX_STOP_LENGTH:
+            raise RequestError(f"stop[{i}] has {len(s)} characters; at most {MAX_STOP_LENGTH} are served")
+
+
 def distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """Probabilities [..., V] (float64) after temperature, top-k and top-p, renormalised."""
-    z = logits.astype(np.float64) / params.temperature
+    """Probabilities [..., V] (float64) after temperature, top-k and top-p, renormalised.
+
+    The max is subtracted before dividing by the temperature: with a tiny one, every logit below the max then
+    overflows to -inf (probability 0) and the max stays 0 (probability 1, shared by exact ties), which is exactly
+    the T -> 0 limit; dividing first would give inf - inf = NaN."""
+    logits = logits.astype(np.float64)
+    with np.errstate(over="ignore"):
+        z = (logits - logits.max(axis=-1, keepdims=True)) / params.temperature
     if params.top_k and params.top_k < z.shape[-1]:
         kth = np.partition(z, -params.top_k, axis=-1)[..., -params.top_k, None]
         z = np.where(z < kth, -np.inf, z)
-    p = np.exp(z - z.max(axis=-1, keepdims=True))
+    p = np.exp(z)
     p /= p.sum(axis=-1, keepdims=True)
     if params.top_p < 1:
         order = np.argsort(-p, axis=-1, kind="stable")

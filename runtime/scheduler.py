@@ -11,11 +11,15 @@ One scheduler step:
 3. one target call over every active row: the next prefill chunk, or VERIFY [t, d1..dk];
 4. COMMIT: prefill rows commit the chunk; verify rows accept j drafts + 1 token (greedy or lossless
    sampling) and commit j+1 positions; stop conditions end requests, whose caches are released.
+
+The scheduler is not thread-safe: the Generator's lock guards it (runtime/generator.py).
 """
 from __future__ import annotations
 
 import itertools
+import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -25,8 +29,13 @@ from .cache import NUMPY_DTYPES, SequenceCache, batch_views
 from .engine import EngineManifest
 from .errors import V4EngineError
 from .metrics import RequestMetrics
-from .sampling import RequestError, SamplingParams, accept_greedy, accept_sampled, distribution, draw
+from .sampling import RequestError, SamplingParams, accept_greedy, accept_sampled, distribution, draw, is_integer
 from .sessions import EngineSession
+
+
+def host_memory() -> int:
+    """Bytes of memory this machine has (its physical pages)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 class CapacityError(RequestError):
@@ -40,7 +49,7 @@ class Phase(Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)                   # a request is itself: queues find it by identity
 class Request:
     id: int
     prompt: list[int]
@@ -50,6 +59,7 @@ class Request:
     metrics: RequestMetrics
     num_drafts: int                    # draft tokens per step for this request (<= the scheduler's mtp)
     rng: np.random.Generator
+    stop_ids: frozenset[int]           # token ids that end it: its stop_token_ids, and eos unless ignored
     phase: Phase = Phase.WAITING
     tokens: list[int] = field(default_factory=list)
     target: SequenceCache | None = None
@@ -57,9 +67,10 @@ class Request:
     pending_hidden: list[np.ndarray] = field(default_factory=list)   # streams of positions [draft.length, target.length)
     drafts: list[int] = field(default_factory=list)
     draft_probs: list[np.ndarray] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: str | None = None   # "stop", "length", "cancelled", or "error" (a failed step: see `error`)
+    error: BaseException | None = None
     arrival: float = field(default_factory=time.perf_counter)   # submitted: time to first token counts queueing
-    stop_check: object = None          # callable(generated ids) -> bool, for stop strings (set by the Generator)
+    stop_check: Callable[[int], bool] | None = None   # given each new token: its text now holds a stop string?
 
     @property
     def generated(self) -> list[int]:
@@ -89,7 +100,10 @@ class Scheduler:
         if self.dtype is None:
             raise V4EngineError(f"engine dtype {manifest.dtype} cannot run in the numpy runtime on this machine")
         self.groups = {part: manifest.cache_groups(part) for part in manifest.caches}
-        self.budget = max_cache_bytes if max_cache_bytes is not None else max_batch * self.cache_bytes(max_seq_len)
+        # By default: the caches of max_batch sequences of max_seq_len tokens, but never more than half of this
+        # machine's memory (an engine.json cannot make the runtime promise memory it does not have)
+        self.budget = max_cache_bytes if max_cache_bytes is not None else min(
+            max_batch * self.cache_bytes(max_seq_len), host_memory() // 2)
         self.waiting: list[Request] = []
         self.active: list[Request] = []
         self._ids = itertools.count()
@@ -114,7 +128,7 @@ class Scheduler:
         """Raise RequestError (a one-line reason) if the request cannot be served; else its cache capacity."""
         params.validate()
         drafts = params.num_draft_tokens
-        if drafts is not None and not (isinstance(drafts, int) and 0 <= drafts <= self.mtp):
+        if drafts is not None and not (is_integer(drafts) and 0 <= drafts <= self.mtp):
             raise RequestError(f"num_draft_tokens must be an integer from 0 to {self.mtp}, the draft tokens per step "
                                f"this engine serves (got {drafts!r})")
         if not prompt:
@@ -122,6 +136,9 @@ class Scheduler:
         bad = [t for t in prompt if not (0 <= int(t) < self.cfg.vocab_size)]
         if bad:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
+        bad = [t for t in params.stop_token_ids if not (0 <= t < self.cfg.vocab_size)]
+        if bad:
+            raise RequestError(f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
         if len(prompt) >= self.max_seq_len:
             raise RequestError(f"the prompt has {len(prompt)} tokens; this engine serves at most "
                                f"{self.max_seq_len - 1} prompt tokens (max_seq_len {self.max_seq_len})")
@@ -137,18 +154,28 @@ class Scheduler:
         capacity = self.validate(prompt, params)
         drafts = self.drafts(params)
         need = self.cache_bytes(capacity, drafts)
+        eos = self.cfg.eos_token_id
+        eos = [] if params.ignore_eos or eos is None else eos if isinstance(eos, list) else [eos]
         request = Request(id=next(self._ids), prompt=[int(t) for t in prompt], params=params, capacity=capacity,
                           cache_bytes=need, metrics=RequestMetrics(mtp=drafts), num_drafts=drafts,
-                          rng=np.random.default_rng(params.seed), tokens=[int(t) for t in prompt])
+                          rng=np.random.default_rng(params.seed),
+                          stop_ids=frozenset(int(t) for t in (*params.stop_token_ids, *eos)),
+                          tokens=[int(t) for t in prompt])
         self.waiting.append(request)
         return request
 
     def cancel(self, request: Request) -> None:
-        """Stop a request now and release its caches (its batch slot frees at once)."""
+        """Stop a request now and release its caches (its batch slot frees at once). One that already ended
+        keeps its finish reason."""
+        self._leave(request, "cancelled")
+
+    def _leave(self, request: Request, reason: str, error: BaseException | None = None) -> None:
         for queue in (self.waiting, self.active):
             if request in queue:
                 queue.remove(request)
-        self._finish(request, "cancelled")
+        if request.finish_reason is None:
+            request.error = error
+            self._finish(request, reason)
 
     @property
     def busy(self) -> bool:
@@ -156,6 +183,17 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> StepResult:
+        """One step (the module's docstring). A step that raises first ends every request in flight (finish_reason
+        "error", the exception in `error`): none is left half-stepped or holding its caches."""
+        in_flight = self.waiting + self.active
+        try:
+            return self._step()
+        except BaseException as e:
+            for r in in_flight:
+                self._leave(r, "error", e)
+            raise
+
+    def _step(self) -> StepResult:
         started = time.perf_counter()
         self._admit()
         new_tokens: dict[int, list[int]] = {}
@@ -306,21 +344,18 @@ class Scheduler:
 
     def _emit(self, r: Request, tokens: list[int], new_tokens: dict[int, list[int]]) -> None:
         """Append generated tokens up to a stop condition; finish the request when one is met."""
-        stops = set(r.params.stop_token_ids)
-        if not r.params.ignore_eos and self.cfg.eos_token_id is not None:
-            stops |= set(self.cfg.eos_token_id if isinstance(self.cfg.eos_token_id, list) else [self.cfg.eos_token_id])
         emitted = new_tokens.setdefault(r.id, [])
         for token in tokens:
-            if token in stops:
+            if token in r.stop_ids:
                 self._finish(r, "stop")
                 return
             r.tokens.append(token)
             r.metrics.generated += 1
             emitted.append(token)
-            if len(r.generated) >= r.params.max_new_tokens or len(r.tokens) >= self.max_seq_len:
+            if len(r.tokens) - len(r.prompt) >= r.params.max_new_tokens or len(r.tokens) >= self.max_seq_len:
                 self._finish(r, "length")
                 return
-            if r.stop_check is not None and r.stop_check(r.generated):
+            if r.stop_check is not None and r.stop_check(token):
                 self._finish(r, "stop")
                 return
 

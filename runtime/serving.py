@@ -1,12 +1,15 @@
-"""Serve concurrent asyncio callers from one scheduler: a background thread steps it while requests are live.
+"""Serve concurrent asyncio callers from one generator: a background thread steps it while requests are live.
 
-An asyncio server (Triton's Python backend runs `async def execute` on an event loop) cannot call
-Scheduler.step() on its loop: a step is a blocking engine call, and the loop must go on taking and answering
-requests meanwhile. So one thread owns the scheduler. Between steps it takes new requests and cancellations from
-a queue and asks each live request's `is_cancelled` callback; it steps while any request is live, so requests
-that arrive together share the same engine calls; and it hands each request's new tokens to its Stream, on the
-caller's event loop. Admission is bounded: while max_batch requests run and max_queue_size more wait, a new
-request is refused at once (QueueFullError) instead of waiting without end.
+An asyncio server (Triton's Python backend runs `async def execute` on an event loop) cannot step the
+scheduler on its loop: a step is a blocking engine call, and the loop must go on taking and answering requests
+meanwhile. So a thread does. Between steps it takes new requests and cancellations from a queue and asks each
+live request's `is_cancelled` callback; it steps the generator (Generator.advance, under the generator's lock)
+while any of its requests is live, so requests that arrive together share the same engine calls; and it reads
+each request's new tokens from the request (Generator.progress), never from a step's result, and hands them to
+its Stream on the caller's event loop. So the same generator may serve direct generate() and stream() calls
+from other threads meanwhile: their steps move these requests too. Admission is bounded: while max_batch
+requests run and max_queue_size more wait, a new request is refused at once (QueueFullError) instead of
+waiting without end.
 
     serving = ServingLoop(Generator.from_engine_dir(path), max_queue_size=16)
     stream = serving.submit(prompt_ids, SamplingParams(max_new_tokens=32))      # inside a coroutine
@@ -33,11 +36,12 @@ class QueueFullError(RequestError):
 
 @dataclass(frozen=True)
 class Update:
-    """Tokens one scheduler step gave a request (empty on a last update that only ends it), and when."""
+    """Tokens a request gained since its last update (one step's, or several when direct callers of the generator
+    stepped in between; empty on a last update that only ends it), and when."""
 
     tokens: list[int]
     finished: bool
-    time: float                             # time.perf_counter() when the step ended
+    time: float                             # time.perf_counter() when the tokens were read
 
 
 class Stream:
@@ -49,6 +53,7 @@ class Stream:
     def __init__(self, loop: asyncio.AbstractEventLoop, is_cancelled: Callable[[], bool] | None):
         self.is_cancelled = is_cancelled
         self.request: Request | None = None           # set by the scheduler thread once queued there
+        self.sent = 0                                 # tokens handed on in updates (the scheduler thread's)
         self._loop, self._updates = loop, asyncio.Queue()
         self._done = False
 
@@ -71,7 +76,7 @@ class Stream:
 
 
 class ServingLoop:
-    """Owns `generator.scheduler` through a background thread; `submit` and `cancel` are safe from any thread.
+    """Steps `generator` from a background thread for its streams; `submit` and `cancel` are safe from any thread.
 
     `on_update()`, if given, runs on the scheduler thread whenever requests joined, left or stepped (e.g. to
     export the engine-step counter and the queue size)."""
@@ -99,7 +104,7 @@ class ServingLoop:
                is_cancelled: Callable[[], bool] | None = None) -> Stream:
         """Check and queue a request; call from a coroutine. Raises RequestError (QueueFullError when full)."""
         ids = self.generator.encode(prompt)
-        self.scheduler.validate(ids, params)                # reads only the engine's fixed limits: thread-safe
+        self.generator.check(ids, params)
         with self._lock:
             if self._in_flight >= self.capacity:
                 raise QueueFullError(f"the server is full: {self.scheduler.max_batch} requests running and "
@@ -121,7 +126,7 @@ class ServingLoop:
     # ------------------------------------------------------------------ the scheduler thread
     def _run(self) -> None:
         while True:
-            commands = [] if self.scheduler.busy else [self._commands.get()]   # sleep while there is nothing to do
+            commands = [] if self._live else [self._commands.get()]   # sleep while there is nothing to do
             while True:
                 try:
                     commands.append(self._commands.get_nowait())
@@ -130,21 +135,23 @@ class ServingLoop:
             for command in commands:
                 if command is None:
                     for stream in list(self._live.values()):
-                        self._end(stream, cancel=True)
+                        self._deliver(stream, cancel=True)
                     return
                 self._take(*command)
             for stream in list(self._live.values()):
                 if stream.is_cancelled is not None and stream.is_cancelled():
-                    self._end(stream, cancel=True)
-            if self.scheduler.busy:
-                self._step()
+                    self._deliver(stream, cancel=True)
+            if self._live:
+                self.generator.advance([stream.request for stream in self._live.values()])
+                for stream in list(self._live.values()):
+                    self._deliver(stream)
             if self.on_update is not None:
                 self.on_update()
 
     def _take(self, stream: Stream, ids: list[int] | None, params: SamplingParams | None) -> None:
         if ids is None:                                    # a cancellation
             if stream.request is not None and stream.request.id in self._live:
-                self._end(stream, cancel=True)
+                self._deliver(stream, cancel=True)
             return
         try:
             stream.request = self.generator.submit(ids, params)
@@ -154,29 +161,22 @@ class ServingLoop:
             return
         self._live[stream.request.id] = stream
 
-    def _step(self) -> None:
-        try:
-            result = self.scheduler.step()
-        except Exception as e:                             # noqa: BLE001 - every live request gets the error
-            for stream in list(self._live.values()):
-                self._end(stream, cancel=True, error=e)
-            return
-        now = time.perf_counter()
-        finished = {r.id for r in result.finished}
-        for request_id, tokens in result.new_tokens.items():
-            if tokens and request_id not in finished:
-                self._live[request_id]._put(Update(tokens, False, now))
-        for r in result.finished:
-            self._end(self._live[r.id], tokens=result.new_tokens.get(r.id, []), now=now)
-
-    def _end(self, stream: Stream, cancel: bool = False, tokens: Sequence[int] = (), now: float | None = None,
-             error: BaseException | None = None) -> None:
-        """The request leaves the scheduler; its stream gets a last update, or the error that ended it."""
+    def _deliver(self, stream: Stream, cancel: bool = False) -> None:
+        """Hand the stream what its request gained since the last update, read from the request (a step of any
+        caller may have moved it); its last update once the request has ended, or the error of the step that
+        ended it. `cancel`: end the request now."""
         if cancel:
-            self.scheduler.cancel(stream.request)
+            self.generator.cancel(stream.request)
+        tokens, ended = self.generator.progress(stream.request, stream.sent)
+        stream.sent += len(tokens)
+        if not ended:
+            if tokens:
+                stream._put(Update(tokens, False, time.perf_counter()))
+            return
         del self._live[stream.request.id]
         self._release()
-        stream._put(error if error is not None else Update(list(tokens), True, now or time.perf_counter()))
+        error = stream.request.error
+        stream._put(error if error is not None else Update(tokens, True, time.perf_counter()))
 
     def _release(self) -> None:
         with self._lock:

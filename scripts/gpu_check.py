@@ -665,7 +665,7 @@ def build_tiny_engines_and_compare_with_onnxruntime(work: Path) -> tuple[bool, s
 
     verdicts, ok = [], True
     for quantize in ("fp8", "mxfp4"):
-        checkpoint = make_tiny(work / quantize / "checkpoint", config="flash_like", quantize=quantize)
+        checkpoint = make_tiny(work / quantize / "checkpoint", config="flash_like", quantize=quantize, force=True)
         common = dict(checkpoint=checkpoint, mtp=2, max_batch=4, max_seq_len=256, max_prefill_chunk=16,
                       force=True, progress=False)
         engine = work / quantize / "tensorrt"

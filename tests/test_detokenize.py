@@ -2,6 +2,8 @@
 multi-byte character, keep every space, and never show a stop string or the text after it."""
 from __future__ import annotations
 
+import random
+
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -74,3 +76,21 @@ def test_a_sequence_that_ends_inside_a_character_shows_the_replacement_at_the_en
     ids = tokenizer.encode("done 日").ids[:-1]             # the last byte of 日 never comes
     pieces = stream(tokenizer, ids)
     assert "".join(pieces) == tokenizer.decode(ids) and pieces[-1] == REPLACEMENT
+
+
+def test_decoding_a_window_gives_the_same_pieces_as_decoding_everything(tokenizer):
+    """Random ids (half characters, invalid bytes), random stop strings and chunk sizes: every piece is the one
+    the stateless text_piece gives from the decode of the whole sequence."""
+    rng = random.Random(0)
+    for _ in range(200):
+        ids = [rng.randrange(tokenizer.get_vocab_size()) for _ in range(rng.randrange(1, 60))]
+        text = tokenizer.decode(ids)
+        stop = tuple(text[a: a + rng.randrange(1, 5)] for a in rng.sample(range(len(text)), min(2, len(text))))
+        size = rng.choice([1, 2, 4])
+        detok, seen = IncrementalDetokenizer(tokenizer, stop), []
+        for chunk in (ids[i: i + size] for i in range(0, len(ids), size)):
+            seen += chunk
+            assert detok.add(chunk) == text_piece(tokenizer, seen, len(chunk), stop)
+            if detok.stopped:
+                break
+        assert detok.finish() == text_piece(tokenizer, seen, 0, stop, final=True)

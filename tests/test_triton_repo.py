@@ -58,7 +58,9 @@ def test_ensemble_steps_are_fed_and_agree_on_types_and_shapes(variant):
             assert source in available, f"{step.model_name}.{key} reads {source}, which nothing produced before"
             dtype, dims, optional = available[source]
             assert (dtype, dims) == (inputs[key].data_type, list(inputs[key].dims)), f"{step.model_name}.{key}"
-            assert inputs[key].optional or not optional, f"optional {source} feeds required {step.model_name}.{key}"
+            # max_tokens is optional in the ensemble only so that preprocessing, which requires it, runs and names it
+            assert inputs[key].optional or not optional or source == "max_tokens", \
+                f"optional {source} feeds required {step.model_name}.{key}"
         outputs = {t.name: t for t in model.output}
         for key, target in step.output_map.items():
             assert target not in available, f"{target} is produced twice"
@@ -73,8 +75,15 @@ def test_the_client_facing_contract(variant):
     expected = ["text_input", "input_ids", "max_tokens", "stop", "temperature", "top_p", "top_k", "seed",
                 "num_draft_tokens", "ignore_eos", "stream", "exclude_input_in_output"]
     assert list(inputs) == expected
-    assert [n for n, t in inputs.items() if not t.optional] == ["max_tokens"]
+    # every input is optional to Triton, whose ensemble answers nothing at all when a required one is missing;
+    # preprocessing requires max_tokens and says so by name (config.MAX_TOKENS)
+    assert not [n for n, t in inputs.items() if not t.optional]
+    assert [t.name for t in models["preprocessing"].input if not t.optional] == ["max_tokens"]
     assert [t.name for t in models["ensemble"].output] == ["text_output", "output_ids", "finish_reason", "metrics"]
+    # the cancel key (models/relay.py) stays between the steps: a client never sees one
+    steps = {step.model_name: step for step in models["ensemble"].ensemble_scheduling.step}
+    assert steps["v4_generate"].output_map["cancel_key"] == steps["postprocessing"].input_map["cancel_key"] \
+        == "_cancel_key"
 
 
 def test_generation_is_decoupled_and_requests_reach_each_step_without_a_batcher(variant):
@@ -111,7 +120,7 @@ def test_the_cli_renders_and_explains_every_flag(trained_engine, tmp_path, capsy
 
 @pytest.mark.parametrize("case, message", [
     ("not an engine", "engine.json: not found"),
-    ("no tokenizer", "no tokenizer.json"),
+    ("no tokenizer", "tokenizer.json"),
     ("batch too large", "max_batch must be an integer from 1 to 8"),
     ("negative queue", "max_queue_size must be an integer >= 0"),
     ("exists", "already exists"),

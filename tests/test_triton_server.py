@@ -235,7 +235,8 @@ def test_metrics_are_on_the_metrics_port(server):
     series = {line.split("{")[0].split(" ")[0]: line for line in text.splitlines() if line.startswith("v4_")}
     for name in ("v4_time_to_first_token_seconds_count", "v4_inter_token_latency_seconds_count",
                  "v4_draft_tokens_total", "v4_accepted_draft_tokens_total", "v4_accepted_at_position_total",
-                 "v4_verify_steps_total", "v4_queue_size", "v4_engine_steps_total"):
+                 "v4_verify_steps_total", "v4_queue_size", "v4_engine_steps_total", "v4_pending_requests",
+                 "v4_cache_bytes"):
         assert name in series, name
     first_token_observations = float(series["v4_time_to_first_token_seconds_count"].split()[-1])   # a count
     assert first_token_observations >= 1, "the request's time to first token was observed"
@@ -244,6 +245,9 @@ def test_metrics_are_on_the_metrics_port(server):
 
 # ---------------------------------------------------------------------- bad requests
 @pytest.mark.parametrize("body, message", [
+    ({"text_input": PROMPT}, "max_tokens is required"),
+    ({"input_ids": [5, 6], "stream": False}, "max_tokens is required"),
+    ({}, "missing required input(s) ['max_tokens']"),                # Triton's own words: no input at all
     ({"max_tokens": 8}, "give the prompt as text_input or as input_ids"),
     ({"text_input": PROMPT, "max_tokens": 0}, "max_tokens must be from 1 to the engine's max_seq_len"),
     ({"text_input": PROMPT, "max_tokens": 100_000}, "max_tokens must be from 1 to the engine's max_seq_len"),
@@ -254,6 +258,7 @@ def test_metrics_are_on_the_metrics_port(server):
 def test_bad_requests_get_a_clear_error_and_the_server_keeps_serving(server, body, message):
     answer = generate(server, body)
     assert answer["status"] == 400 and message in answer["error"], answer
+    assert "\n" not in answer["error"] and "Traceback" not in answer["error"]
     assert generate(server, {"text_input": PROMPT, "max_tokens": 4})["finish_reason"] == "length"
 
 

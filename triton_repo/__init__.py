@@ -17,13 +17,22 @@ from pathlib import Path
 
 from v4engine.runtime.engine import EngineManifest
 from v4engine.runtime.errors import V4EngineError
-from v4engine.runtime.staging import staged_folder
+from v4engine.runtime.staging import check_destination, staged_folder
 
 from .config import STEPS, Options, model_configs
 
 MODEL_PY = '''"""Triton Python model `{name}` of a v4engine repository: {doc}."""
 from v4engine.triton_repo.models.{name} import TritonPythonModel  # noqa: F401
 '''
+
+
+REPOSITORY = "a model repository rendered by v4build triton-repo"
+
+
+def is_model_repository(folder: Path) -> bool:
+    """Whether `folder` is a repository render() wrote: the only kind of folder `force` replaces."""
+    return all((folder / step / "1" / "model.py").is_file() for step in (s.name for s in STEPS)) and \
+        (folder / "ensemble" / "config.pbtxt").is_file()
 
 
 class RenderError(V4EngineError):
@@ -51,10 +60,7 @@ def render(engine_dir: str | Path, out: str | Path, *, gpu: bool = False, max_ba
         if not isinstance(value, int) or value < low or (high is not None and value > high):
             bound = f"from {low} to {high} (the engine was built for batches of {high})" if high else f">= {low}"
             raise RenderError(f"{name} must be an integer {bound} (got {value!r})")
-    if out.exists() and not force:
-        raise RenderError(f"{out}: already exists (pass --force to replace it)")
-    if out.exists() and not (out / "ensemble" / "config.pbtxt").is_file():
-        raise RenderError(f"{out}: exists and is not a model repository; --force only replaces a repository")
+    check_destination(out, force, is_model_repository, REPOSITORY)
     if not out.parent.is_dir():
         raise RenderError(f"{out.parent}: no such folder")
     try:
@@ -63,7 +69,7 @@ def render(engine_dir: str | Path, out: str | Path, *, gpu: bool = False, max_ba
         configs = model_configs(options)
     except ValueError as e:
         raise RenderError(f"{engine_dir}: cannot be written into a config.pbtxt: {e}") from None
-    with staged_folder(out, "rendering") as tmp:
+    with staged_folder(out, "rendering", force, is_model_repository, REPOSITORY) as tmp:
         for name, text in configs.items():
             (tmp / name / "1").mkdir(parents=True)        # the ensemble's version folder stays empty
             (tmp / name / "config.pbtxt").write_text(text)

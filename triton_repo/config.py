@@ -50,6 +50,10 @@ SAMPLING = (
     Tensor("stream", "BOOL", optional=True),             # one response per step instead of one at the end
     Tensor("exclude_input_in_output", "BOOL", optional=True),   # default true: generated text only
 )
+# Required, yet the ensemble lists it as optional: Triton's ensemble runs no step whose required input is missing
+# and answers such a request with nothing at all (HTTP generate: "expects model to produce exactly 1 response").
+# Preprocessing requires it: Triton refuses a preprocessing request with no input at all, naming max_tokens, and
+# the model refuses one that has others but not this one (models/preprocessing.py).
 MAX_TOKENS = Tensor("max_tokens", "INT32")
 PROMPT_IDS = Tensor("prompt_ids", "INT32", (-1,))
 STOP_WORDS = Tensor("stop_words", "STRING", (-1,))
@@ -65,8 +69,10 @@ CANCEL_KEY = Tensor("cancel_key", "STRING")                # where postprocessin
 STOP_STRINGS = Tensor("stop_strings", "STRING", (-1,))     # stop_words again: Triton refuses a step that mixes
                                                            # tensors of a decoupled step with earlier ones
 
-ENSEMBLE_INPUTS = (Tensor("text_input", "STRING", optional=True), Tensor("input_ids", "INT32", (-1,), optional=True),
-                   MAX_TOKENS, Tensor("stop", "STRING", (-1,), optional=True), *SAMPLING)
+TEXT_INPUT = Tensor("text_input", "STRING", optional=True)
+INPUT_IDS = Tensor("input_ids", "INT32", (-1,), optional=True)
+STOP = Tensor("stop", "STRING", (-1,), optional=True)
+ENSEMBLE_INPUTS = (TEXT_INPUT, INPUT_IDS, replace(MAX_TOKENS, optional=True), STOP, *SAMPLING)
 ENSEMBLE_OUTPUTS = (TEXT_OUTPUT, OUTPUT_IDS, FINISH_REASON, METRICS)
 
 
@@ -80,7 +86,7 @@ class Model:
 
 
 PREPROCESSING = Model(
-    "preprocessing", inputs=ENSEMBLE_INPUTS[:4], outputs=(PROMPT_IDS, STOP_WORDS),
+    "preprocessing", inputs=(TEXT_INPUT, INPUT_IDS, MAX_TOKENS, STOP), outputs=(PROMPT_IDS, STOP_WORDS),
     doc="text or token ids -> prompt ids; stop strings; max_tokens checked against the engine")
 V4_GENERATE = Model(
     "v4_generate", inputs=(PROMPT_IDS, MAX_TOKENS, replace(STOP_WORDS, optional=True), *SAMPLING),

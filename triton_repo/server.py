@@ -1,9 +1,9 @@
 """Start the Triton Inference Server that the nvidia-pytriton wheel bundles, on a model repository.
 
 The wheel `nvidia-pytriton==0.7.0` carries a complete tritonserver 2.51 with only the Python backend, which is
-what our repository needs on a CPU (../shared/notes/TRITON_CPU.md). It lives in a serving environment of its
-own (`.venv-triton`, made by `make triton-env`) because the 2.51 Python-backend stub needs numpy < 2. Serving
-from it takes four things, all done here so that the tests and the example start the server the same way:
+what our repository needs on a CPU. It lives in a serving environment of its own (`.venv-triton`, made by
+`make triton-env`) because the 2.51 Python-backend stub needs numpy < 2. Serving from it takes four things, all
+done here so that the tests and the example start the server the same way:
 - a backend folder holding the wheel's Python backend plus the stub built for that environment's Python
   (links, not copies; PyTriton does the same);
 - LD_LIBRARY_PATH with the wheel's bundled libraries and the environment's libpython folder, and PATH with the
@@ -11,13 +11,29 @@ from it takes four things, all done here so that the tests and the example start
 - HTTP, gRPC and metrics on free loopback ports chosen here (Triton refuses port 0);
 - `--exit-timeout-secs`, so that a stop does not wait 30 s for a request still open.
 
+A server leaves nothing running and nothing in /dev/shm once stopped, however its launcher ends:
+- it runs in a process group of its own with its Python-backend stubs; stop() sends SIGTERM, and the whole
+  group gets SIGKILL if tritonserver outlives its exit timeout, or a stub outlives tritonserver, by 10 s;
+- its stubs' shared-memory regions carry a prefix of this server's own (the Python backend's
+  `shm-region-prefix-name`), so stop() removes what a killed stub left in /dev/shm, and only that;
+- tritonserver gets SIGTERM when the thread that started it dies (PR_SET_PDEATHSIG), even by SIGKILL: start a
+  server from a thread that lives as long as it, the main thread in a launcher;
+- its temporary files, the cancel relay's socket among them (models/relay.py), go to a 0700 folder of its own
+  in the system's temporary folder (not under work_dir: a UNIX socket's path must fit in 107 bytes), removed at
+  stop (a launcher killed outright leaves it behind, with tritonserver's `.ses` file, the relay's socket gone).
+
     with TritonServer("out/triton-repo", env=".venv-triton") as server:
         print(server.http_url, server.grpc_url, server.metrics_url)
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import functools
 import json
 import os
+import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -31,6 +47,9 @@ from pathlib import Path
 from v4engine.runtime.errors import V4EngineError
 
 HOST = "127.0.0.1"
+SHM = Path("/dev/shm")
+PR_SET_PDEATHSIG = 1                    # <linux/prctl.h>
+LIBC = ctypes.CDLL(None, use_errno=True)   # loaded here: the child between fork and exec only calls it
 
 
 class ServerError(V4EngineError):
@@ -75,6 +94,27 @@ def free_ports(count: int) -> list[int]:
             s.close()
 
 
+def group_processes(group: int) -> dict[int, str]:
+    """pid -> command line of every live process in a process group (zombies, which no signal can end, left out)."""
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()      # after "pid (comm)": state, ppid, pgrp, ...
+            if int(fields[2]) == group and fields[0] != "Z":
+                found[int(stat.parent.name)] = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, IndexError, ValueError):                     # it ended while being read
+            continue
+    return found
+
+
+def _child_setup(parent: int) -> None:
+    """preexec_fn of tritonserver: SIGTERM when the thread that started it dies."""
+    if LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+    if os.getppid() != parent:                    # the launcher died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 class TritonServer:
     """A tritonserver process on `repository`, ready when `start()` (or `with`) returns; stopped by `stop()`.
 
@@ -88,6 +128,8 @@ class TritonServer:
         self.work_dir = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="tritonserver-"))
         self.startup_timeout, self.exit_timeout, self.log_verbose = startup_timeout, exit_timeout, log_verbose
         self.log_path = self.work_dir / "server.log"
+        self.temp_dir: Path | None = None              # made by start()
+        self.shm_prefix = f"v4engine-triton-{secrets.token_hex(8)}-"
         self.process: subprocess.Popen | None = None
         self.http_port = self.grpc_port = self.metrics_port = 0
 
@@ -122,6 +164,7 @@ class TritonServer:
         env["LD_LIBRARY_PATH"] = os.pathsep.join(
             p for p in (str(self.env.libs), self.env.libpython_dir, env.get("LD_LIBRARY_PATH")) if p)
         env["PATH"] = os.pathsep.join(p for p in (str(self.env.python.parent), env.get("PATH")) if p)
+        env["TMPDIR"] = str(self.temp_dir)
         return env
 
     def command(self) -> list[str]:
@@ -130,15 +173,23 @@ class TritonServer:
                 f"--http-address={HOST}", f"--http-port={self.http_port}",
                 f"--grpc-address={HOST}", f"--grpc-port={self.grpc_port}",
                 f"--metrics-address={HOST}", f"--metrics-port={self.metrics_port}", "--allow-gpu-metrics=false",
+                f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
                 f"--exit-timeout-secs={self.exit_timeout}", f"--log-verbose={self.log_verbose}"]
 
     def start(self) -> "TritonServer":
+        """Start the server and wait until it is ready; on any failure, or an interrupt, it is stopped again."""
         self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.temp_dir = Path(tempfile.mkdtemp(prefix="v4engine-triton-"))
         self.http_port, self.grpc_port, self.metrics_port = free_ports(3)
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
-                                            env=self._environment(), start_new_session=True)
-        self._wait_ready()
+                                            env=self._environment(), start_new_session=True,
+                                            preexec_fn=functools.partial(_child_setup, os.getpid()))
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def _wait_ready(self) -> None:
@@ -154,7 +205,6 @@ class TritonServer:
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
             time.sleep(0.25)
-        self.stop()
         raise ServerError(f"tritonserver was not ready after {self.startup_timeout:.0f} s:\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 40) -> str:
@@ -163,16 +213,42 @@ class TritonServer:
         except FileNotFoundError:
             return "(no log)"
 
+    def processes(self) -> dict[int, str]:
+        """pid -> command line of tritonserver and its stubs while they live."""
+        return {} if self.process is None else group_processes(self.process.pid)
+
     def stop(self) -> None:
-        """SIGTERM, then SIGKILL to the whole process group if it outlives the exit timeout by 10 s."""
-        if self.process is None or self.process.poll() is not None:
+        """SIGTERM; the whole process group gets SIGKILL if tritonserver outlives the exit timeout by 10 s, or a
+        stub outlives tritonserver by 10 s. Then what a killed stub left in /dev/shm is removed, and the
+        temporary folder."""
+        if self.process is None:
             return
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(self.exit_timeout + 10)
-        except subprocess.TimeoutExpired:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(self.exit_timeout + 10)
+            except subprocess.TimeoutExpired:
+                self._kill_group()
+        if not self._group_ended(within=10):
+            self._kill_group()
+            self._group_ended(within=10)
+        self.process.wait()
+        for region in SHM.glob(self.shm_prefix + "*"):
+            region.unlink(missing_ok=True)
+        if self.temp_dir is not None:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+    def _kill_group(self) -> None:
+        with contextlib.suppress(ProcessLookupError):        # the group lives while a member does: ours
             os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+
+    def _group_ended(self, within: float) -> bool:
+        deadline = time.monotonic() + within
+        while self.processes():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+        return True
 
     def __enter__(self) -> "TritonServer":
         return self.start()

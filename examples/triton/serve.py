@@ -3,14 +3,15 @@
     .venv/bin/python examples/triton/serve.py [ENGINE_DIR] [--work out/triton]
 
 Without ENGINE_DIR it builds the shipped trained tiny V4 (examples/tiny-v4, --mtp 3) into WORK/engine first. The
-server runs until Ctrl-C; its addresses are printed and written to WORK/server.json for query.py.
+server runs until Ctrl-C, SIGTERM or SIGHUP, each of which stops it and every process it started, and frees its
+shared memory (v4engine.triton_repo.server); if this launcher is killed outright, tritonserver gets SIGTERM and
+stops the same way. Its addresses are printed and written to WORK/server.json for query.py.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import signal
-import sys
 from pathlib import Path
 
 from v4engine.builder.cli import main as v4build
@@ -18,6 +19,14 @@ from v4engine.triton_repo import render
 from v4engine.triton_repo.server import TritonServer
 
 ROOT = Path(__file__).resolve().parents[2]
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def stop_on_signal(signum: int, frame) -> None:
+    """Leave through `with`, which stops the server; a second signal must not cut that stop short."""
+    for s in STOP_SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+    raise SystemExit(0)
 
 
 def main() -> None:
@@ -37,12 +46,11 @@ def main() -> None:
         (args.work / "server.json").write_text(json.dumps(urls))
         print(f"serving {engine}: HTTP {urls['http']}, gRPC {urls['grpc']}, metrics {urls['metrics']} "
               f"(log: {server.log_path}); Ctrl-C stops", flush=True)
-        try:
-            signal.pause()
-        except KeyboardInterrupt:
-            pass                                        # leaving `with` stops the server
+        while True:
+            signal.pause()                              # until a stop signal leaves `with`
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))      # a SIGTERM stops the server as Ctrl-C does
+    for s in STOP_SIGNALS:
+        signal.signal(s, stop_on_signal)
     main()

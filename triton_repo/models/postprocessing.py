@@ -8,7 +8,8 @@ the text v4engine.runtime gives for the same request. With `exclude_input_in_out
 text starts with the prompt's (`echo_ids`).
 
 A cancelled request here means the client cancelled the ensemble request: its cancel_key is relayed to the
-v4_generate instance that is still generating for it (models/relay.py).
+v4_generate instance that is still generating for it (models/relay.py), without ever waiting. A client may also
+call this model directly, with any tensors: what does not fit is one line naming the input (io.failure).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import triton_python_backend_utils as pb_utils
 
 from v4engine.runtime.detokenize import text_piece
 from v4engine.runtime.generator import load_tokenizer
+from v4engine.runtime.sampling import RequestError
 
 from . import io
 from .relay import relay_cancel
@@ -26,17 +28,21 @@ class TritonPythonModel:
         self.tokenizer = load_tokenizer(io.parameters(args)["engine_dir"])
 
     def execute(self, requests: list) -> list:
-        responses = []
-        for request in requests:
-            if request.is_cancelled():
-                relay_cancel(io.array(request, "cancel_key")[0])
-                # answered, not failed: in Triton 2.51 an error here leaves the cancelled ensemble request in
-                # flight for good, and the server's shutdown then waits for it until --exit-timeout-secs
-                responses.append(pb_utils.InferenceResponse([io.text("text_output", "")]))
-                continue
-            echo, generated = io.array(request, "echo_ids").tolist(), io.array(request, "generated_ids").tolist()
-            piece = text_piece(self.tokenizer, generated, io.scalar(request, "new_tokens"),
-                               io.strings(request, "stop_strings"), final=io.scalar(request, "finish_reason") != "")
-            prefix = self.tokenizer.decode(echo) if echo else ""
-            responses.append(pb_utils.InferenceResponse([io.text("text_output", prefix + piece)]))
-        return responses
+        return io.answer_each("postprocessing", requests, self.answer)
+
+    def answer(self, request) -> "pb_utils.InferenceResponse":
+        if request.is_cancelled():
+            key = io.array(request, "cancel_key")
+            if key is not None and key.size == 1:
+                relay_cancel(key[0])
+            # answered, not failed: in Triton 2.51 an error here leaves the cancelled ensemble request in
+            # flight for good, and the server's shutdown then waits for it until --exit-timeout-secs
+            return pb_utils.InferenceResponse([io.text("text_output", "")])
+        echo, generated = io.array(request, "echo_ids").tolist(), io.array(request, "generated_ids").tolist()
+        new = io.scalar(request, "new_tokens", required=True)
+        if not 0 <= new <= len(generated):
+            raise RequestError(f"new_tokens must be from 0 to the {len(generated)} generated_ids (got {new})")
+        piece = text_piece(self.tokenizer, generated, new, io.strings(request, "stop_strings"),
+                           final=io.scalar(request, "finish_reason") != "")
+        prefix = self.tokenizer.decode(echo) if echo else ""
+        return pb_utils.InferenceResponse([io.text("text_output", prefix + piece)])

@@ -3,9 +3,9 @@
 The prompt is `text_input` (UTF-8, tokenized with the engine's tokenizer.json by the runtime's own
 `v4engine.runtime.generator.encode_text`) or `input_ids` (token ids as given; v4_generate checks them against the
 vocabulary). `stop` strings are checked to be UTF-8 and empty ones dropped. What cannot be served is refused here
-with one line naming the input: no prompt or two, text that is not UTF-8, `max_tokens` <= 0 or beyond the
-engine's max_seq_len. (`max_tokens` also keeps this step from ever having no input at all, which Triton 2.51
-fails with "out of bounds index 0: request has 0 inputs" before the model can say what is missing.)
+with one line naming the input: no prompt or two, text that is not UTF-8, an input holding more values than one,
+`max_tokens` absent (the ensemble lists it as optional so that this step runs to say so: config.MAX_TOKENS), <= 0
+or beyond the engine's max_seq_len. Anything else that goes wrong is one line too (io.failure), never a traceback.
 """
 from __future__ import annotations
 
@@ -25,18 +25,15 @@ class TritonPythonModel:
         self.max_seq_len = int(params["max_seq_len"])
 
     def execute(self, requests: list) -> list:
-        responses = []
-        for request in requests:
-            try:
-                prompt, stop = self.prepare(request)
-                responses.append(pb_utils.InferenceResponse([io.tensor("prompt_ids", prompt, np.int32),
-                                                             io.tensor("stop_words", stop, np.object_)]))
-            except RequestError as e:
-                responses.append(io.error(str(e)))
-        return responses
+        return io.answer_each("preprocessing", requests, self.answer)
+
+    def answer(self, request) -> "pb_utils.InferenceResponse":
+        prompt, stop = self.prepare(request)
+        return pb_utils.InferenceResponse([io.tensor("prompt_ids", prompt, np.int32),
+                                           io.tensor("stop_words", stop, np.object_)])
 
     def prepare(self, request) -> tuple[list[int], list[bytes]]:
-        max_tokens = io.scalar(request, "max_tokens")
+        max_tokens = io.scalar(request, "max_tokens", required=True)
         if max_tokens <= 0 or max_tokens > self.max_seq_len:
             raise RequestError(f"max_tokens must be from 1 to the engine's max_seq_len {self.max_seq_len} "
                                f"(got {max_tokens})")

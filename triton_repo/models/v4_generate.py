@@ -13,13 +13,13 @@ the scheduler at the next step and its caches are freed.
 
 Prometheus metrics (Triton's metrics port), labelled with the model: time to first token and inter-token latency
 histograms, drafted / accepted draft tokens, verify steps and acceptances per draft position (per-position
-acceptance = v4_accepted_at_position_total / v4_verify_steps_total), generated tokens, engine steps, and the
-number of requests waiting and running.
+acceptance = v4_accepted_at_position_total / v4_verify_steps_total), generated tokens, engine steps, the number of
+requests waiting and running, and what the serving loop holds (requests pending, cache bytes in use) so that a
+soak can see from outside that everything it sent was released.
 """
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 from dataclasses import fields
 
@@ -27,7 +27,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from v4engine.runtime.generator import Generator
-from v4engine.runtime.sampling import RequestError, SamplingParams
+from v4engine.runtime.sampling import SamplingParams
 from v4engine.runtime.scheduler import Request
 from v4engine.runtime.serving import ServingLoop, Stream
 
@@ -66,6 +66,9 @@ class Metrics:
         self.engine_steps = series("v4_engine_steps_total", "Engine calls (draft and verify)", F.COUNTER)
         self.waiting = series("v4_queue_size", "Requests accepted and waiting for a batch slot", F.GAUGE)
         self.running = series("v4_running_requests", "Requests in the running batch", F.GAUGE)
+        self.pending = series("v4_pending_requests", "Requests accepted and not finished (waiting + running)",
+                              F.GAUGE)
+        self.cache_bytes = series("v4_cache_bytes", "Cache bytes the running requests hold", F.GAUGE)
 
     def finished(self, request: Request) -> None:
         m = request.metrics
@@ -89,29 +92,23 @@ class TritonPythonModel:
                                               providers=providers)
         self.metrics = Metrics({"model": args["model_name"], "version": args["model_version"]},
                                positions=generator.scheduler.mtp)
-        self.exported = (0, 0, 0)                      # engine steps, waiting, running: as last exported
+        self.gauges = (self.metrics.waiting, self.metrics.running, self.metrics.pending, self.metrics.cache_bytes)
+        self.exported = (0,) * (1 + len(self.gauges))  # engine steps, then each gauge: as last exported
         self.serving = ServingLoop(generator, max_queue_size=int(params["max_queue_size"]), on_update=self.export)
-        self.streams: dict[str, Stream] = {}          # request key -> stream, for the relay
-        self.keys = itertools.count()
-        self.relay = CancelRelay(self.relayed)
+        self.relay = CancelRelay()
 
     def export(self) -> None:
-        """Whenever requests joined, left or stepped (on the scheduler's thread): engine steps and queue gauges,
+        """Whenever requests joined, left or stepped (on the scheduler's thread): engine steps and the gauges,
         each only when it changed (every update is a message to the Triton process)."""
         scheduler = self.serving.scheduler
-        now = (scheduler.engine_steps, self.serving.queue_size, len(scheduler.active))
+        waiting, running = self.serving.queue_size, len(scheduler.active)
+        now = (scheduler.engine_steps, waiting, running, waiting + running, scheduler.used_bytes)
         if now[0] != self.exported[0]:
             self.metrics.engine_steps.increment(now[0] - self.exported[0])
-        if now[1] != self.exported[1]:
-            self.metrics.waiting.set(now[1])
-        if now[2] != self.exported[2]:
-            self.metrics.running.set(now[2])
+        for gauge, value, before in zip(self.gauges, now[1:], self.exported[1:]):
+            if value != before:
+                gauge.set(value)
         self.exported = now
-
-    def relayed(self, key: str) -> None:
-        stream = self.streams.get(key)
-        if stream is not None:
-            self.serving.cancel(stream)
 
     async def execute(self, requests: list) -> None:
         await asyncio.gather(*(self.serve(request) for request in requests))
@@ -122,17 +119,10 @@ class TritonPythonModel:
         try:
             prompt, params, streaming, echo = self.read(request)
             stream = self.serving.submit(prompt, params, is_cancelled=sender.is_cancelled)
-            key = str(next(self.keys))
-            self.streams[key] = stream
-            try:
+            with self.relay.listening(lambda: self.serving.cancel(stream)) as key:
                 final_sent = await self.respond(sender, stream, key, prompt if echo else [], streaming)
-            finally:
-                del self.streams[key]
-        except RequestError as e:
-            failure = io.error(str(e))
         except Exception as e:                              # noqa: BLE001 - the client must hear of it
-            pb_utils.Logger.log_error(f"v4_generate: {type(e).__name__}: {e}")
-            failure = io.error(f"v4_generate failed: {type(e).__name__}: {e}")
+            failure = io.failure("v4_generate", e)
         finally:
             if not final_sent:
                 sender.send(failure, flags=FINAL)          # failure None: the flag alone
@@ -141,13 +131,13 @@ class TritonPythonModel:
         """(prompt ids, sampling parameters, stream?, echo the prompt?) from the request's tensors."""
         prompt = io.array(request, "prompt_ids").tolist()
         settings = {name: io.scalar(request, name) for name in SETTINGS}
-        params = SamplingParams(max_new_tokens=int(io.scalar(request, "max_tokens")),
+        params = SamplingParams(max_new_tokens=int(io.scalar(request, "max_tokens", required=True)),
                                 stop=tuple(s for s in io.strings(request, "stop_words") if s),
                                 **{name: value for name, value in settings.items() if value is not None})
         exclude = io.scalar(request, "exclude_input_in_output")
         return prompt, params, bool(io.scalar(request, "stream")), exclude is False
 
-    async def respond(self, sender, stream: Stream, key: str, echo: list[int], streaming: bool) -> bool:
+    async def respond(self, sender, stream: Stream, key: bytes, echo: list[int], streaming: bool) -> bool:
         """Send the stream's responses; True once the FINAL flag went out with the last one."""
         generated: list[int] = []
         last = None
@@ -172,7 +162,7 @@ class TritonPythonModel:
                                   json.dumps(metrics)), flags=FINAL)
         return True
 
-    def response(self, echo: list[int], generated: list[int], new: int, key: str, stop: tuple[str, ...],
+    def response(self, echo: list[int], generated: list[int], new: int, key: bytes, stop: tuple[str, ...],
                  finish_reason: str = "", metrics: str = "") -> "pb_utils.InferenceResponse":
         return pb_utils.InferenceResponse([
             io.tensor("output_ids", echo + generated[len(generated) - new:], np.int32),
@@ -181,7 +171,7 @@ class TritonPythonModel:
             io.tensor("new_tokens", [new], np.int32),
             io.text("finish_reason", finish_reason),
             io.text("metrics", metrics),
-            io.tensor("cancel_key", [self.relay.key(key)], np.object_),
+            io.tensor("cancel_key", [key], np.object_),
             io.tensor("stop_strings", [s.encode() for s in stop], np.object_),
         ])
 

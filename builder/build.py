@@ -14,7 +14,7 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import onnx
@@ -27,11 +27,13 @@ from v4engine.runtime.engine import (ACTIVATION_DTYPES, BUILT_LIMIT_DEFAULTS, FO
                                      EngineManifest, GraphEntry, cache_groups, check_limits, graph_specs)
 from v4engine.runtime.errors import V4EngineError
 from v4engine.runtime.untrusted import read_json
-from v4engine.runtime.staging import check_destination, staged_folder
+from v4engine.runtime.staging import Ours, check_destination, staged_folder
 
 from .backends import QUANTIZED_IN_PLACE, TENSORRT_OPTIMIZATION_LEVEL, compile_engine, preflight, prepare_graph
-from .export import export_graph, split_sequences
+from .backends.migraphx import SCRIPT
+from .backends.tensorrt import TIMING_CACHE
 from .checkpoint import checkpoint_file
+from .export import export_graph, split_sequences
 from .load import open_checkpoint
 from .weights import WeightWriter, attach_weights, serialize_without_data
 
@@ -61,21 +63,29 @@ class BuildOptions:
     timing_cache: Path | None = None           # tensorrt: reused across builds (default: one in the engine)
 
 
-def is_engine_folder(folder: Path) -> bool:
-    """Whether `folder` holds an engine v4build wrote (its engine.json says format v4engine): the only kind of
-    folder `--force` replaces."""
+def _is_engine_manifest(path: Path) -> bool:
     try:
-        return read_json(folder / MANIFEST, BuildError, "", limit=64 << 20).get("format") == FORMAT
+        return read_json(path, BuildError, "", limit=64 << 20).get("format") == FORMAT
     except (BuildError, OSError, AttributeError):
         return False
 
 
-ENGINE_FOLDER = "an engine folder built by v4build (with its engine.json)"
+def _engine_entry(entry: PurePosixPath) -> bool:
+    """What a build writes: engine.json, graphs, weights/ (linked shards, converted.bin), tokenizer files, compiled
+    plans or programs."""
+    if len(entry.parts) == 2:
+        return entry.parts[0] == "weights" and entry.suffix in (".safetensors", ".bin")
+    return (entry.name in {MANIFEST, "weights", TIMING_CACHE, SCRIPT, *TOKENIZER_FILES}
+            or entry.suffix in (".onnx", ".plan", ".mxr"))
+
+
+# The only kind of folder `--force` replaces
+ENGINE_FOLDER = Ours("an engine folder built by v4build", MANIFEST, _engine_entry, _is_engine_manifest)
 
 
 def _check_output(options: BuildOptions) -> None:
     out = options.output
-    check_destination(out, options.force, is_engine_folder, ENGINE_FOLDER)
+    check_destination(out, options.force, ENGINE_FOLDER)
     if out.exists() and options.checkpoint.resolve().is_relative_to(out.resolve()):
         raise BuildError(f"{out}: holds the checkpoint itself; choose another --output")
     parent = out.parent
@@ -186,7 +196,7 @@ def build(options: BuildOptions) -> EngineManifest:
     cfg, ckpt = open_checkpoint(options.checkpoint, mtp=options.mtp > 0)
     check_limits(dataclasses.asdict(options), cfg, "v4build", BuildError)
     clock.lap("checkpoint")
-    with staged_folder(options.output, "building", options.force, is_engine_folder, ENGINE_FOLDER) as tmp:
+    with staged_folder(options.output, "building", options.force, ENGINE_FOLDER) as tmp:
         writer = WeightWriter(tmp)
         try:
             parts = ["target"] + (["draft"] if options.mtp > 0 else [])

@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 from v4engine.runtime.errors import V4EngineError
-from v4engine.runtime.untrusted import HeaderError, JsonFields, open_regular, read_header, read_json, shown
+from v4engine.runtime.untrusted import (HeaderError, JsonFields, in_blob_store, open_regular, read_header,
+                                        read_json, shown)
 
 
 class CheckpointError(V4EngineError):
@@ -60,7 +61,7 @@ _FP8_MAX = 448.0
 _E2M1_MAX = 6.0
 _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _E2M1 = torch.tensor(_E2M1_VALUES + tuple(-v for v in _E2M1_VALUES), dtype=torch.float32)
-MAX_SHARDS = 65_536          # safetensors files one checkpoint may list (V4-Pro: 64)
+MAX_SHARDS = 4096            # safetensors files one checkpoint may list (V4-Pro: 64); each is mapped at once
 
 # Canonical (official release) names.
 _BLOCK = (
@@ -290,15 +291,13 @@ class Checkpoint:
 # --------------------------------------------------------------------- files and headers
 
 def checkpoint_file(directory: Path, name: object, named_by: str) -> Path:
-    """A file of the checkpoint folder, resolved; refused unless it stays inside the folder, or, for a Hugging Face
-    cache snapshot (`.../snapshots/REV/`, whose files are links into the repository's `blobs/`), inside blobs/."""
+    """A file of the checkpoint folder, resolved; refused unless it stays inside the folder, or is a blob of a
+    Hugging Face cache (a cache snapshot's files, and those of older `--local-dir` downloads, link there)."""
     pure = PurePosixPath(name) if isinstance(name, str) else None
     if pure is None or not name or pure.is_absolute() or ".." in pure.parts or "\0" in name or "\\" in name:
         raise CheckpointError(f"{named_by}: names {shown(name)}, which is not a file inside {directory}; refused")
     resolved = (directory / pure).resolve()
-    root = directory.resolve()
-    roots = [root] + ([root.parent.parent / "blobs"] if root.parent.name == "snapshots" else [])
-    if not any(resolved.is_relative_to(r) for r in roots):
+    if not (resolved.is_relative_to(directory.resolve()) or in_blob_store(resolved)):
         raise CheckpointError(f"{directory / pure}: leads outside the checkpoint folder (to {resolved}); refused")
     return resolved
 

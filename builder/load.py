@@ -48,16 +48,22 @@ def check_draft_module(cfg: V4Config, ckpt: Checkpoint, mtp: bool) -> None:
 
 def check_sizes(cfg: V4Config, ckpt: Checkpoint) -> None:
     """The config's layer count, expert count and vocabulary against what the headers hold, in time linear in
-    the headers (a model is built only once these agree)."""
+    the headers: a model (whose modules grow with layers x experts) is built only once these agree."""
     config = cfg.source
-    layers = {int(n.split(".")[1]) for n in ckpt.names() if n.startswith("layers.")}
-    if layers != set(range(cfg.num_hidden_layers)):
+    experts: dict[int, set[int]] = {}
+    for name in ckpt.names():
+        parts = name.split(".")
+        if parts[0] == "layers":
+            layer = experts.setdefault(int(parts[1]), set())
+            if parts[2:4] == ["ffn", "experts"]:
+                layer.add(int(parts[4]))
+    if set(experts) != set(range(cfg.num_hidden_layers)):
         raise CheckpointError(f"{config}: field 'num_hidden_layers' is {cfg.num_hidden_layers}, but the checkpoint "
-                              f"holds {len(layers)} layers (indices up to {max(layers, default=-1)})")
-    experts = {int(n.split(".")[4]) for n in ckpt.names() if n.startswith("layers.0.ffn.experts.")}
-    if experts != set(range(cfg.n_routed_experts)):
-        raise CheckpointError(f"{config}: field 'n_routed_experts' is {cfg.n_routed_experts}, but layer 0 of the "
-                              f"checkpoint holds {len(experts)} experts")
+                              f"holds {len(experts)} layers (indices up to {max(experts, default=-1)})")
+    for layer, found in experts.items():
+        if found != set(range(cfg.n_routed_experts)):
+            raise CheckpointError(f"{config}: field 'n_routed_experts' is {cfg.n_routed_experts}, but layer {layer} "
+                                  f"of the checkpoint holds {len(found)} experts")
     embed = ckpt.logical_shape("embed.weight")
     if embed != (cfg.vocab_size, cfg.hidden_size):
         raise CheckpointError(f"{config}: field 'vocab_size' is {cfg.vocab_size} (and hidden_size {cfg.hidden_size}), "

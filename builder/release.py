@@ -24,7 +24,7 @@ from v4engine.runtime.staging import check_destination
 
 from .checkpoint import FP8_BLOCK, FP8_QUANTIZATION_CONFIG, MXFP4_BLOCK, SAFETENSORS_DTYPES
 from .model import Transformer
-from .tiny import CHECKPOINT_FOLDER, is_our_checkpoint, stored_form, write_checkpoint_folder
+from .tiny import CHECKPOINT_FOLDER, stored_form, write_checkpoint_folder
 
 _FLASH: dict[str, Any] = {
     "model_type": "deepseek_v4", "architectures": ["DeepseekV4ForCausalLM"], "torch_dtype": "bfloat16",
@@ -103,7 +103,7 @@ def write_release_checkpoint(out: str | Path, release: str = "v4-flash", shards:
     if release not in RELEASES:
         raise ConfigError(f"unknown release {release!r}; choose one of {sorted(RELEASES)}")
     raw, release_shards, _ = RELEASES[release]
-    check_destination(Path(out), force, is_our_checkpoint, CHECKPOINT_FOLDER)      # before any work
+    check_destination(Path(out), force, CHECKPOINT_FOLDER)      # before any work
     tensors = release_tensors(raw)
     return write_checkpoint_folder(out, raw, list(tensors), shards or release_shards,
                                    lambda path, names: _write_sparse_safetensors(path, {k: tensors[k] for k in names}),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 from v4engine.runtime.config import V4Config
 from v4engine.runtime.errors import ConfigError
-from v4engine.runtime.staging import check_destination, staged_folder
+from v4engine.runtime.staging import Ours, check_destination, staged_folder
 
 from .checkpoint import FP8_QUANTIZATION_CONFIG, quantize_fp8_block, quantize_mxfp4
 from .model import Transformer
@@ -171,7 +171,7 @@ def make_tiny(out: str | Path, config: str = "mixed", seed: int = 0, quantize: s
     """Write a tiny random checkpoint folder; returns its path. `force` replaces `out` only if v4build wrote it."""
     if config not in TINY_CONFIGS:
         raise ConfigError(f"unknown tiny config {config!r}; choose one of {sorted(TINY_CONFIGS)}")
-    check_destination(Path(out), force, is_our_checkpoint, CHECKPOINT_FOLDER)      # before any work
+    check_destination(Path(out), force, CHECKPOINT_FOLDER)      # before any work
     raw = dict(TINY_CONFIGS[config], torch_dtype=dtype)
     model = random_model(V4Config.from_dict(raw, source=f"tiny config {config}"), seed, agree)
     return save_checkpoint(model, raw, out, quantize=quantize, names=names, dtype=dtype, shards=shards, mtp=mtp,
@@ -203,11 +203,14 @@ def save_checkpoint(model: Transformer, raw: dict[str, Any], out: str | Path, qu
 
 
 MADE = ".v4build-checkpoint"           # marks a checkpoint folder v4build wrote: the only kind --force replaces
-CHECKPOINT_FOLDER = "a checkpoint folder written by v4build (make-tiny, make-release)"
 
 
-def is_our_checkpoint(folder: Path) -> bool:
-    return (folder / MADE).is_file()
+def _checkpoint_entry(entry: PurePosixPath) -> bool:
+    """What a checkpoint writer writes: the marker, config and tokenizer files, safetensors shards and their index."""
+    return len(entry.parts) == 1 and (entry.name == MADE or entry.suffix in (".json", ".safetensors"))
+
+
+CHECKPOINT_FOLDER = Ours("a checkpoint folder written by v4build (make-tiny, make-release)", MADE, _checkpoint_entry)
 
 
 def write_checkpoint_folder(out: str | Path, raw: dict[str, Any], names: list[str], shards: int,
@@ -219,7 +222,7 @@ def write_checkpoint_folder(out: str | Path, raw: dict[str, Any], names: list[st
     a checkpoint folder v4build wrote (it holds MADE)."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with staged_folder(out, "writing", force, is_our_checkpoint, CHECKPOINT_FOLDER) as tmp:
+    with staged_folder(out, "writing", force, CHECKPOINT_FOLDER) as tmp:
         (tmp / MADE).write_text("written by v4build; `--force` may replace this folder\n")
         groups = shard_groups(names, shards)
         weight_map, total = {}, 0

@@ -47,6 +47,7 @@ SIZE_BOUNDS = {
     "num_nextn_predict_layers": 8,          # 1 (the DSpark drafter of V4-Flash-0731: 3)
     "compress_rate": 1 << 16,               # 128
 }
+MAX_EXPERTS = 1 << 16           # routed experts over all layers (V4-Pro: 61 x 384 = 23,424)
 DSPARK_PREFIX = "dspark_"       # config keys of the DSpark drafter (V4-Flash-0731), which is not an MTP layer
 
 
@@ -123,15 +124,16 @@ def _compress_rates(f: JsonFields, size) -> dict[str, int]:
             HCA: size("compress_rate_hca", inferred.get(HCA, 128), low=2, bound="compress_rate")}
 
 
-def _ropes(f: JsonFields, number) -> tuple[float, float, Yarn | None]:
+def _ropes(f: JsonFields) -> tuple[float, float, Yarn | None]:
     """(main theta, compress theta, YaRN of the compress rope) from rope_parameters{main, compress} (transformers'
     form) or rope_theta, compress_rope_theta and rope_scaling (the official form)."""
-    rope_theta, compress_theta = number("rope_theta", 10000.0), number("compress_rope_theta", 160000.0)
+    rope_theta = f.number("rope_theta", default=10000.0)         # finite and positive: validate()
+    compress_theta = f.number("compress_rope_theta", default=160000.0)
     params = f.nested("rope_parameters", {})
     if isinstance(params.raw.get("compress"), dict):
         main, scaling = params.nested("main", {}), params.nested("compress")
-        rope_theta = float(main.get("rope_theta", (int, float), rope_theta))
-        compress_theta = float(scaling.get("rope_theta", (int, float), compress_theta))
+        rope_theta = main.number("rope_theta", default=rope_theta)
+        compress_theta = scaling.number("rope_theta", default=compress_theta)
     else:
         scaling = f.nested("rope_scaling", {}) if f.raw.get("rope_scaling") else params
     if (scaling.get("rope_type", str, None) or scaling.get("type", str, None)) != "yarn":
@@ -139,8 +141,8 @@ def _ropes(f: JsonFields, number) -> tuple[float, float, Yarn | None]:
     yarn = Yarn(factor=scaling.number("factor", 1.0, 1e6),
                 original_max_position_embeddings=scaling.integer("original_max_position_embeddings", 1,
                                                                  SIZE_BOUNDS["max_position_embeddings"]),
-                beta_fast=float(scaling.get("beta_fast", (int, float), 32.0) or 32),
-                beta_slow=float(scaling.get("beta_slow", (int, float), 1.0) or 1))
+                beta_fast=scaling.number("beta_fast", default=32.0) or 32.0,
+                beta_slow=scaling.number("beta_slow", default=1.0) or 1.0)
     return rope_theta, compress_theta, yarn
 
 
@@ -208,9 +210,6 @@ class V4Config:
         def size(key: str, default: Any = MISSING, low: int = 1, bound: str | None = None) -> int:
             return f.integer(key, low, SIZE_BOUNDS[bound or key], default)
 
-        def number(key: str, default: Any = MISSING) -> float:
-            return float(f.get(key, (int, float), default))
-
         if f.get("model_type", str, "deepseek_v4") != "deepseek_v4":
             f.fail("model_type", "must be 'deepseek_v4'", raw["model_type"])
         n_layers = size("num_hidden_layers")
@@ -246,7 +245,7 @@ class V4Config:
             rope_dim = int(head_dim * f.number("partial_rotary_factor", 0.0, 1.0))
         else:
             rope_dim = 64
-        rope_theta, compress_theta, yarn = _ropes(f, number)
+        rope_theta, compress_theta, yarn = _ropes(f)
 
         quant = f.get("quantization_config", dict, None)
         expert_dtype = f.get("expert_dtype", str, None)
@@ -279,13 +278,13 @@ class V4Config:
             index_topk=size("index_topk", 512),
             hc_mult=size("hc_mult", 4),
             hc_sinkhorn_iters=size("hc_sinkhorn_iters", 20),
-            hc_eps=number("hc_eps", 1e-6),
+            hc_eps=f.number("hc_eps", default=1e-6),
             n_routed_experts=size("n_routed_experts"),
             num_experts_per_tok=size("num_experts_per_tok"),
             n_shared_experts=size("n_shared_experts", 1, low=0),
-            routed_scaling_factor=number("routed_scaling_factor", 1.5),
-            swiglu_limit=number("swiglu_limit", 10.0),
-            rms_norm_eps=number("rms_norm_eps", 1e-6),
+            routed_scaling_factor=f.number("routed_scaling_factor", default=1.5),
+            swiglu_limit=f.number("swiglu_limit", default=10.0),
+            rms_norm_eps=f.number("rms_norm_eps", default=1e-6),
             num_nextn_predict_layers=n_mtp,
             max_position_embeddings=size("max_position_embeddings", 1048576),
             num_key_value_heads=f.get("num_key_value_heads", int, 1),
@@ -349,6 +348,9 @@ class V4Config:
         if (self.num_attention_heads * self.head_dim) % self.o_groups:
             fail("o_groups", f"must divide num_attention_heads*head_dim ({self.num_attention_heads * self.head_dim})",
                  self.o_groups)
+        if self.num_hidden_layers * self.n_routed_experts > MAX_EXPERTS:
+            fail("n_routed_experts", f"times num_hidden_layers ({self.num_hidden_layers}) must be at most "
+                 f"{MAX_EXPERTS}", self.n_routed_experts)
         if self.num_experts_per_tok > self.n_routed_experts:
             fail("num_experts_per_tok", f"must be <= n_routed_experts ({self.n_routed_experts})",
                  self.num_experts_per_tok)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import CSA, ROW_GROUPS, SLIDING, CacheGroup, V4Config
-from .engine_folder import MANIFEST, EngineFolder, EngineFormatError
+from .engine_folder import MANIFEST, EngineFolder, EngineFormatError, WeightFile
 from .errors import ConfigError
 from .untrusted import JsonFields, parse_json, shown
 
@@ -51,9 +51,6 @@ class TensorSpec:
     dtype: str
     shape: tuple[int | str, ...]
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "TensorSpec":
-        return cls(d["name"], d["dtype"], tuple(d["shape"]))
 
 
 @dataclass(frozen=True)
@@ -61,25 +58,6 @@ class GraphEntry:
     file: str
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "GraphEntry":
-        return cls(d["file"], tuple(TensorSpec.from_dict(x) for x in d["inputs"]),
-                   tuple(TensorSpec.from_dict(x) for x in d["outputs"]))
-
-
-@dataclass(frozen=True)
-class WeightFile:
-    """A file the graphs' external data points into. `link`: hardlink or symlink to `source`, or converted.
-
-    `header_sha256` fingerprints a linked checkpoint file (its safetensors header), so that the runtime reads
-    only the file the build linked (engine_folder.py)."""
-
-    file: str
-    bytes: int
-    link: str
-    source: str | None = None
-    header_sha256: str | None = None
 
 
 def cache_group_dict(group: CacheGroup, kind: str) -> dict[str, Any]:

@@ -1,15 +1,19 @@
 """An engine directory as a trust boundary: what the runtime reads from one, and how.
 
 Engine folders come from elsewhere (a colleague's build, a download, a shared disk), so the runtime reads only
-- files that engine.json names, by relative paths that stay inside the folder once every link is resolved;
+- files that engine.json names, by normalised relative paths that stay inside the folder once every link is
+  resolved;
 - the checkpoint files a build linked to: `weights/` holds symlinks into the checkpoint when the engine was built
-  onto another filesystem. Such a link must point exactly where engine.json says the build pointed it, at a
-  safetensors file whose header is the one the build saw (its SHA-256, recorded at build time);
-- inside an ONNX graph, external data only in those weight files, at offsets inside them (past the safetensors
-  header of a checkpoint file).
+  onto another filesystem. Such a link must point exactly where engine.json says the build pointed it, at a file
+  that looks like a checkpoint file before a byte of it is read (*.safetensors or a Hugging Face cache blob, of the
+  recorded size), whose safetensors header is the one the build saw (its SHA-256, recorded at build time);
+- inside an ONNX graph, external data only in the main graph's initializers (where ONNX Runtime takes the bytes
+  from the memory maps given to it; elsewhere, in subgraphs or sparse tensors, it would open the location
+  itself), only in those weight files, at offsets inside them (past the safetensors header of a checkpoint file).
 Each file is opened here once, checked as the file it is (a regular file, whose real path is read back from the
-open descriptor) and handed on as bytes or a read-only memory map, so that no backend opens a path by itself.
-Anything else is refused in one line (EngineFormatError) before a byte of it is read.
+open descriptor) and handed on as bytes or a read-only memory map, so that ONNX Runtime and TensorRT never open a
+path themselves (MIGraphX's loader takes only a path: its programs are checked here first, then opened by it).
+Anything else is refused in one line (EngineFormatError).
 """
 from __future__ import annotations
 
@@ -18,19 +22,38 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .errors import V4EngineError
-from .untrusted import HeaderError, open_regular, read_header, shown
+from .untrusted import HeaderError, in_blob_store, open_regular, read_header, shown
+
+if TYPE_CHECKING:
+    from .engine import GraphEntry
 
 MANIFEST = "engine.json"
 # The largest file of each kind the runtime reads whole (graphs are read whole; weights are only mapped)
 MAX_BYTES = {"manifest": 64 << 20, "graph": 2 << 30, "tokenizer": 256 << 20, "compiled": 64 << 30}
+MAX_WEIGHT_FILES = 4097          # each is mapped (a file descriptor): a checkpoint's shards and converted.bin
 
 
 class EngineFormatError(V4EngineError):
     """engine.json is missing, unreadable, of another format version, or disagrees with the directory."""
+
+
+@dataclass(frozen=True)
+class WeightFile:
+    """A file the graphs' external data points into. `link`: hardlink or symlink to `source`, or converted.
+
+    `header_sha256` fingerprints a linked checkpoint file (its safetensors header), so that the runtime reads
+    only the file the build linked."""
+
+    file: str
+    bytes: int
+    link: str
+    source: str | None = None
+    header_sha256: str | None = None
 
 
 @dataclass(frozen=True)
@@ -50,6 +73,8 @@ class MappedWeights:
 
 
 class EngineFolder:
+    """One engine directory, and every way the runtime may read from it (see the module doc)."""
+
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
         try:
@@ -71,39 +96,25 @@ class EngineFolder:
         return resolved
 
     def _relative(self, relative: object, field: str) -> PurePosixPath:
+        """A relative path in its one normal spelling (no `..`, `.`, `//`): two spellings never name one file."""
         if not isinstance(relative, str) or not relative or "\0" in relative or "\\" in relative:
             raise EngineFormatError(f"{self.manifest_path}: field {field} must be a relative path inside the engine "
                                     f"folder (got {shown(relative)})")
         pure = PurePosixPath(relative)
-        if pure.is_absolute() or ".." in pure.parts:
+        if pure.is_absolute() or ".." in pure.parts or str(pure) != relative:
             raise EngineFormatError(f"{self.manifest_path}: field {field} names {shown(relative)}, which is not a "
-                                    "path inside the engine folder; refused")
+                                    "normal path inside the engine folder; refused")
         return pure
 
     def exists(self, relative: str) -> bool:
         """Whether the folder holds `relative` (a fixed name of ours, e.g. tokenizer.json), wherever it leads."""
         return os.path.lexists(self.root / relative)
 
-    # ------------------------------------------------------------------ reading
-    def read_bytes(self, relative: object, field: str, kind: str) -> bytes:
-        """The whole file named at `field`, at most MAX_BYTES[kind] long."""
-        path = self.path(relative, field)
-        fd = self._open(path, path)
-        try:
-            size = os.fstat(fd).st_size
-            if size > MAX_BYTES[kind]:
-                raise EngineFormatError(f"{path}: {size} bytes, more than a {kind} file may have "
-                                        f"({MAX_BYTES[kind]}); refused")
-            with open(fd, "rb", closefd=False) as f:
-                return f.read(size + 1)[:size]
-        finally:
-            os.close(fd)
-
-    def weight_path(self, w, field: str) -> Path:
+    def weight_path(self, w: WeightFile, field: str) -> Path:
         """Where a weight file of engine.json resolves: inside the folder, or exactly to the checkpoint file its
-        symlink recorded at build time. Such a file must look like one before a byte of it is read (a regular file
-        of the recorded size, named *.safetensors or a blob of a Hugging Face cache); its header is checked when
-        it is opened."""
+        symlink recorded at build time, which must look like one before a byte of it is read (a regular file of
+        the recorded size, named *.safetensors or a blob of a Hugging Face cache); its header is checked when it
+        is opened (map_weights)."""
         pure = self._relative(w.file, f"{field}.file")
         resolved = (self.root / pure).resolve()
         if resolved.is_relative_to(self.root):
@@ -111,15 +122,44 @@ class EngineFolder:
         if not (w.link == "symlink" and isinstance(w.source, str) and resolved == Path(w.source)):
             raise EngineFormatError(f"{self.directory / pure}: leads outside the engine folder (to {resolved}), "
                                     "not to the checkpoint file the build linked; refused")
-        named = resolved.suffix == ".safetensors" or (resolved.parent.name == "blobs"
-                                                      and resolved.parent.parent.name.startswith("models--"))
+        named = resolved.suffix == ".safetensors" or in_blob_store(resolved)
         if not named or not resolved.is_file() or resolved.stat().st_size != w.bytes:
             raise EngineFormatError(f"{self.directory / pure}: links to {resolved}, which is not a checkpoint file "
                                     f"of {w.bytes} bytes (*.safetensors); refused")
         return resolved
 
-    def map_weights(self, weights: list) -> MappedWeights:
+    # ------------------------------------------------------------------ reading
+    def read_bytes(self, relative: object, field: str, kind: str) -> bytes:
+        """The whole file named at `field`, at most MAX_BYTES[kind] long."""
+        path = self.path(relative, field)
+        fd = self._open_bounded(path, kind)
+        try:
+            with open(fd, "rb", closefd=False) as f:
+                return f.read(MAX_BYTES[kind] + 1)[:MAX_BYTES[kind]]
+        finally:
+            os.close(fd)
+
+    def checked_path(self, relative: object, field: str, kind: str) -> Path:
+        """The path of the file named at `field`, checked as read_bytes checks it, for a backend whose loader takes
+        only a path (MIGraphX): the file could still be swapped between this check and that loader's open."""
+        path = self.path(relative, field)
+        os.close(self._open_bounded(path, kind))
+        return path
+
+    def _open_bounded(self, path: Path, kind: str) -> int:
+        fd = self._open(path, path)
+        size = os.fstat(fd).st_size
+        if size > MAX_BYTES[kind]:
+            os.close(fd)
+            raise EngineFormatError(f"{path}: {size} bytes, more than a {kind} file may have ({MAX_BYTES[kind]}); "
+                                    "refused")
+        return fd
+
+    def map_weights(self, weights: list[WeightFile]) -> MappedWeights:
         """Every weight file of engine.json as a read-only memory map, after the checks of the module doc."""
+        if len(weights) > MAX_WEIGHT_FILES:
+            raise EngineFormatError(f"{self.manifest_path}: lists {len(weights)} weight files, more than "
+                                    f"{MAX_WEIGHT_FILES}; refused")
         maps, starts, mmaps = {}, {}, []
         for i, w in enumerate(weights):
             path = self.weight_path(w, f"weights.files[{i}]")
@@ -128,34 +168,36 @@ class EngineFolder:
                 starts[w.file] = self._check_weight(fd, w, self.directory / w.file)
                 mmaps.append(mmap.mmap(fd, 0, prot=mmap.PROT_READ))
                 maps[w.file] = np.frombuffer(mmaps[-1], dtype=np.uint8)
+            except OSError as e:
+                raise EngineFormatError(f"{self.directory / w.file}: cannot be mapped ({e.strerror})") from None
             finally:
                 os.close(fd)
         return MappedWeights(maps, starts, mmaps)
 
-    def _check_weight(self, fd: int, w, shown: Path) -> int:
+    def _check_weight(self, fd: int, w: WeightFile, display: Path) -> int:
         """Size and, for a checkpoint file, its safetensors header fingerprint; returns where its data start."""
         size = os.fstat(fd).st_size
         if size != w.bytes or size == 0:
-            raise EngineFormatError(f"{shown}: has {size} bytes, engine.json says {w.bytes} (the checkpoint changed "
+            raise EngineFormatError(f"{display}: has {size} bytes, engine.json says {w.bytes} (the checkpoint changed "
                                     "after the build?)")
         if w.link == "converted":
             return 0
         try:
             header = read_header(fd)
         except HeaderError as e:
-            raise EngineFormatError(f"{shown}: {e}; refused") from None
+            raise EngineFormatError(f"{display}: {e}; refused") from None
         if header.sha256 != w.header_sha256:
-            raise EngineFormatError(f"{shown}: its safetensors header is not the one the build linked (SHA-256 "
+            raise EngineFormatError(f"{display}: its safetensors header is not the one the build linked (SHA-256 "
                                     "differs from engine.json); the checkpoint changed after the build?")
         return header.data_start
 
-    def _open(self, path: Path, shown: Path) -> int:
+    def _open(self, path: Path, display: Path) -> int:
         """A descriptor of `path`: a regular file, and (where /proc tells) the very file the checks resolved."""
-        fd = open_regular(path, EngineFormatError, shown)
+        fd = open_regular(path, EngineFormatError, display)
         opened = _opened_path(fd)
         if opened is not None and opened != path:
             os.close(fd)
-            raise EngineFormatError(f"{shown}: changed while it was opened (now {opened}); refused")
+            raise EngineFormatError(f"{display}: changed while it was opened (now {opened}); refused")
         return fd
 
 
@@ -166,31 +208,37 @@ def _opened_path(fd: int) -> Path | None:
         return None
 
 
-def external_data(proto) -> Iterator:
-    """Every TensorProto of an ONNX model whose bytes live outside it: initializers, sparse ones, node attributes,
-    in subgraphs and functions too (a walk over every message field, so no place is forgotten)."""
-    from onnx import TensorProto
+# ---------------------------------------------------------------------- graphs
+def external_tensors(proto: Any) -> Iterator[tuple[Any, bool]]:
+    """(tensor, whether it is an initializer of the main graph) for every TensorProto of an ONNX model whose bytes
+    live outside it: a walk over every message field (subgraphs, functions, sparse tensors, attributes), so no
+    place is forgotten."""
+    from onnx import GraphProto, ModelProto, TensorProto
 
-    stack = [proto]
+    stack = [(proto, False)]                    # (message, whether it is the model's own graph)
     while stack:
-        message = stack.pop()
+        message, main_graph = stack.pop()
         for descriptor, value in message.ListFields():
             if descriptor.type != descriptor.TYPE_MESSAGE:
                 continue
             for item in value if descriptor.is_repeated else (value,):
                 if isinstance(item, TensorProto):
                     if item.data_location == TensorProto.EXTERNAL:
-                        yield item
+                        yield item, main_graph and descriptor.name == "initializer"
                 else:
-                    stack.append(item)
+                    stack.append((item, isinstance(message, ModelProto) and isinstance(item, GraphProto)))
 
 
-def check_external_data(proto, weights: MappedWeights, graph: Path) -> None:
-    """Every external tensor of `proto` reads inside one of the engine's weight files, past its header."""
-    for tensor in external_data(proto):
+def check_external_data(proto: Any, weights: MappedWeights, graph: Path) -> None:
+    """Every external tensor of `proto` is a main-graph initializer reading inside one of the engine's weight files,
+    past its header."""
+    for tensor, in_main_graph in external_tensors(proto):
         keys = {e.key: e.value for e in tensor.external_data}
         location = keys.get("location")
-        where = f"{graph}: initializer {shown(tensor.name)}"
+        where = f"{graph}: tensor {shown(tensor.name)}"
+        if not in_main_graph:
+            raise EngineFormatError(f"{where} has external data outside the main graph's initializers (a subgraph, "
+                                    "a sparse tensor or an attribute), which v4build never writes; refused")
         if location not in weights.maps:
             raise EngineFormatError(f"{where} reads from {shown(location)}, which is not a weight file of "
                                     "engine.json; refused")
@@ -207,7 +255,7 @@ def check_external_data(proto, weights: MappedWeights, graph: Path) -> None:
 _ELEMENT_TYPES = {"float32": 1, "int64": 7, "float16": 10, "bfloat16": 16}     # onnx.TensorProto's numbers
 
 
-def read_graph(folder: EngineFolder, entry, weights: MappedWeights) -> bytes:
+def read_graph(folder: EngineFolder, entry: GraphEntry, weights: MappedWeights) -> bytes:
     """The bytes of an ONNX graph of the engine, once they parse, read only the engine's weight files, and declare
     the inputs and outputs engine.json gives (what the runtime feeds and reads): names, element types, ranks and
     every fixed dimension (dynamic ones are named by the exporter)."""

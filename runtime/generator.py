@@ -20,6 +20,7 @@ import numpy as np
 from .detokenize import IncrementalDetokenizer, final_text
 from .engine import EngineManifest, check_limits
 from .engine_folder import EngineFolder, EngineFormatError
+from .untrusted import first_line
 from .metrics import RequestMetrics
 from .sampling import RequestError, SamplingParams, is_integer
 from .scheduler import Request, Scheduler
@@ -41,8 +42,7 @@ def load_tokenizer(engine_dir: str | Path):
     try:
         return Tokenizer.from_str(data.decode("utf-8"))
     except Exception as e:      # noqa: BLE001 - the tokenizers library raises plain Exceptions
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise EngineFormatError(f"{folder.directory / TOKENIZER}: not a tokenizer file ({reason[:200]})") from None
+        raise EngineFormatError(f"{folder.directory / TOKENIZER}: not a tokenizer file ({first_line(e)})") from None
 
 
 def encode_text(tokenizer, text: str) -> list[int]:

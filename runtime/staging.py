@@ -7,13 +7,16 @@
   writer into the same destination refuse at once, instead of silently replacing the first one's work.
 - Each staging folder records its owner (host, pid and the process's start time); a staging folder whose owner is
   dead (SIGKILL, a power cut) is removed by the next writer into the same destination.
-- An existing destination is replaced only with `force`, only when `ours(destination)` says we made it, and only
-  once the new one is complete: the old one is renamed aside, the new one renamed in, then the old one deleted.
+- An existing destination is replaced only with `force`, only when it is a folder of the kind we write and holds
+  nothing else (`Ours`: its marker, and only entries of ours), and only once the new one is complete: the old one
+  is renamed aside, the new one renamed in, then the old one deleted. A writer killed between those renames leaves
+  the old one aside, and the next writer puts it back.
 """
 from __future__ import annotations
 
 import errno
 import fcntl
+import glob
 import json
 import os
 import shutil
@@ -22,7 +25,8 @@ import socket
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
 
 from .errors import V4EngineError
 
@@ -57,35 +61,62 @@ def signals_as_exceptions() -> Iterator[None]:
             signal.signal(s, old)
 
 
-def check_destination(out: Path, force: bool, ours: Callable[[Path], bool], what: str) -> None:
-    """Refuse (StagingError, one line) a destination that exists unless `force` is given and it is one of `what`
-    that we made; also a destination that is a symlink or a file, which nothing here ever replaces."""
+@dataclass(frozen=True)
+class Ours:
+    """What a folder of one kind that we write looks like: `what` it is, the `marker` file that says we wrote it
+    (with `marked`, a test of its content), and the entries it may hold (`allowed`, given each path relative to the
+    folder; OWNER always may). A folder with anything else in it was touched by someone: --force leaves it alone."""
+
+    what: str
+    marker: str
+    allowed: Callable[[PurePosixPath], bool]
+    marked: Callable[[Path], bool] = lambda _: True
+
+    def problem(self, folder: Path) -> str | None:
+        """Why `folder` is not one of ours, or None when it is."""
+        if not (folder / self.marker).is_file() or not self.marked(folder / self.marker):
+            return f"is not {self.what}"
+        for root, dirs, files in os.walk(folder):
+            for name in sorted(dirs + files):
+                entry = PurePosixPath(Path(root, name).relative_to(folder).as_posix())
+                if str(entry) != OWNER and not self.allowed(entry):
+                    return f"holds {entry}, which is not part of {self.what}"
+        return None
+
+
+NOTHING = Ours("a folder written by v4engine", "\0", lambda _: False)
+
+
+def check_destination(out: Path, force: bool, ours: Ours) -> None:
+    """Refuse (StagingError, one line) a destination that exists unless `force` is given and it is one of ours
+    holding nothing else; also a destination that is a symlink or a file, which nothing here ever replaces."""
     if not os.path.lexists(out):
         return
     if not force:
         raise StagingError(f"{out}: already exists (pass --force to replace it)")
     if out.is_symlink() or not out.is_dir():
-        raise StagingError(f"{out}: exists and is not a folder; --force only replaces {what}")
-    if not ours(out):
-        raise StagingError(f"{out}: exists and is not {what}; --force only replaces those, so it is left alone")
+        raise StagingError(f"{out}: exists and is not a folder; --force only replaces {ours.what}")
+    problem = ours.problem(out)
+    if problem is not None:
+        raise StagingError(f"{out}: exists and {problem}; --force only replaces {ours.what} as written, so it is "
+                           "left alone")
 
 
 @contextmanager
-def staged_folder(out: Path, tag: str, force: bool = False, ours: Callable[[Path], bool] = lambda _: False,
-                  what: str = "a folder written by v4engine") -> Iterator[Path]:
+def staged_folder(out: Path, tag: str, force: bool = False, ours: Ours = NOTHING) -> Iterator[Path]:
     """Yield `.{out.name}.{tag}-XXXX` beside `out`; on success it becomes `out` (world-readable), replacing an
     existing `out` only as check_destination allows."""
     out = Path(out)
     with _lock(out):
-        check_destination(out, force, ours, what)
         remove_dead_staging(out)
+        check_destination(out, force, ours)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.{tag}-", dir=out.parent))
         try:
             (tmp / OWNER).write_text(json.dumps(_me()))
             yield tmp
-            (tmp / OWNER).unlink()
             tmp.chmod(0o755)                                  # mkdtemp made it private
             _replace(out, tmp)
+            (out / OWNER).unlink()                            # owned until it is in place: never an orphan
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -108,13 +139,19 @@ def _replace(out: Path, new: Path) -> None:
 
 
 def remove_dead_staging(out: Path) -> list[Path]:
-    """Remove the staging folders of `out` (`.{out.name}.*-*`) whose owner process is gone; returns them.
-    Call it holding the lock of `out`."""
+    """Remove the staging folders of `out` (`.{out.name}.*-*`) whose owner process is gone, and `out` itself if
+    it still carries a dead owner (a writer killed after its last rename); a replaced `out` that such a writer had
+    set aside, while `out` is missing, goes back in place. Returns what it removed. Call it holding the lock."""
+    if (out / OWNER).is_file() and _owner_is_dead(out):
+        (out / OWNER).unlink()                               # complete: only the owner's mark was left to remove
     removed = []
-    for folder in out.parent.glob(f".{out.name}.*-*"):
-        if folder.is_dir() and not folder.is_symlink() and _owner_is_dead(folder):
-            shutil.rmtree(folder, ignore_errors=True)
-            removed.append(folder)
+    for folder in out.parent.glob(f".{glob.escape(out.name)}.*-*"):
+        if not folder.is_dir() or folder.is_symlink() or not _owner_is_dead(folder):
+            continue
+        if ".replaced-" in folder.name and (folder / "old").is_dir() and not os.path.lexists(out):
+            (folder / "old").rename(out)
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
     return removed
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import stat
 import struct
@@ -31,6 +32,18 @@ def open_regular(path: Path, error: type[Exception], shown_as: Path | str | None
         os.close(fd)
         raise error(f"{shown_as or path}: not a regular file; refused")
     return fd
+
+
+def in_blob_store(path: Path) -> bool:
+    """Whether `path` (resolved) is a blob of a Hugging Face cache (`.../models--ORG--NAME/blobs/HASH`): the files
+    of a cache snapshot, and of a `--local-dir` download made by older huggingface-cli, are links there."""
+    return path.parent.name == "blobs" and path.parent.parent.name.startswith("models--")
+
+
+def first_line(error: BaseException, limit: int = 200) -> str:
+    """The first line of another library's error message (its name when it has none), cut to `limit`."""
+    text = str(error).strip()
+    return (text.splitlines()[0] if text else type(error).__name__)[:limit]
 
 
 # ---------------------------------------------------------------------- safetensors headers
@@ -142,11 +155,17 @@ class JsonFields:
             self.fail(key, f"must be an integer from {low} to {high}", value)
         return value
 
-    def number(self, key: str, low: float, high: float, default: Any = MISSING) -> float:
+    def number(self, key: str, low: float = -math.inf, high: float = math.inf, default: Any = MISSING) -> float:
+        """A number as a float; an integer too large for one, or one outside [low, high] if that is given (NaN
+        included), is refused."""
         value = self.get(key, (int, float), default)
-        if not low <= value <= high:        # NaN fails both comparisons
+        try:
+            value = float(value)
+        except OverflowError:
+            self.fail(key, "is too large for a number", value)
+        if (low, high) != (-math.inf, math.inf) and not low <= value <= high:     # NaN fails the comparison
             self.fail(key, f"must be a number from {low} to {high}", value)
-        return float(value)
+        return value
 
     def choice(self, key: str, choices: tuple, default: Any = MISSING) -> Any:
         value = self.raw.get(key, default)

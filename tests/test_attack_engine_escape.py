@@ -51,6 +51,14 @@ def retarget_graph(engine: Path, location: str, offset: int | None = None) -> No
     onnx.save(graph, engine / "target.onnx")
 
 
+def external(name: str, data_type: int, length: int, location: str) -> onnx.TensorProto:
+    """A 16-byte tensor (`length` values) whose bytes are the first 16 of `location`."""
+    tensor = onnx.TensorProto(name=name, data_type=data_type, dims=[length], data_location=onnx.TensorProto.EXTERNAL)
+    for key, value in (("location", location), ("offset", "0"), ("length", "16")):
+        tensor.external_data.add(key=key, value=value)
+    return tensor
+
+
 def weight_links_to_the_secret(engine, secret):
     target = first_weight(engine)
     target.unlink()
@@ -100,10 +108,7 @@ def graph_reads_a_safetensors_header(engine, secret):
 
 def constant_node_reads_a_file_outside(engine, secret):
     graph = onnx.load(engine / "target.onnx", load_external_data=False)
-    value = onnx.TensorProto(name="stolen", data_type=onnx.TensorProto.UINT8, dims=[16],
-                             data_location=onnx.TensorProto.EXTERNAL)
-    for key, v in (("location", f"../outside/{secret.name}"), ("offset", "0"), ("length", "16")):
-        value.external_data.add(key=key, value=v)
+    value = external("stolen", onnx.TensorProto.UINT8, 16, f"../outside/{secret.name}")
     graph.graph.node.insert(0, onnx.helper.make_node("Constant", [], ["stolen"], value=value))
     onnx.save(graph, engine / "target.onnx")
 
@@ -138,14 +143,14 @@ ATTACKS = {
     weight_links_to_the_secret: "leads outside the engine folder",
     weight_links_to_the_secret_and_engine_json_says_so: "which is not a checkpoint file",
     weight_links_to_another_safetensors_file: "not the one the build linked",
-    weights_entry_climbs_out: "not a path inside the engine folder",
-    weights_entry_is_absolute: "not a path inside the engine folder",
+    weights_entry_climbs_out: "not a normal path inside the engine folder",
+    weights_entry_is_absolute: "not a normal path inside the engine folder",
     graph_reads_a_file_outside: "which is not a weight file of engine.json",
     graph_reads_an_absolute_path: "which is not a weight file of engine.json",
     graph_reads_a_weight_file_past_its_end: "outside its data",
     graph_reads_a_safetensors_header: "outside its data",
-    constant_node_reads_a_file_outside: "which is not a weight file of engine.json",
-    graph_file_climbs_out: "not a path inside the engine folder",
+    constant_node_reads_a_file_outside: "outside the main graph's initializers",
+    graph_file_climbs_out: "not a normal path inside the engine folder",
     graph_is_a_symlink_out: "leads outside the engine folder",
     manifest_is_a_symlink_out: "leads outside the engine folder",
     tokenizer_is_a_symlink_out: "leads outside the engine folder",
@@ -187,3 +192,49 @@ def test_the_checkpoint_file_a_build_linked_is_still_read_through_its_symlink(en
     ids = [3, 4, 5, 6]
     assert (Generator.from_engine_dir(engine).generate([ids])[0].token_ids
             == Generator.from_engine_dir(tiny_engine("mixed")[1]).generate([ids])[0].token_ids)
+
+
+def subgraph_initializer_reads_a_file(engine, secret):
+    """ONNX Runtime serves only the main graph's initializers from memory: one in an If branch it would open."""
+    graph = onnx.load(engine / "target.onnx", load_external_data=False)
+    stolen = external("stolen", onnx.TensorProto.UINT8, 16, manifest(engine)["weights"]["files"][0]["file"])
+    branch = onnx.helper.make_graph([onnx.helper.make_node("Identity", ["stolen"], ["taken"])], "branch", [],
+                                    [onnx.helper.make_tensor_value_info("taken", onnx.TensorProto.UINT8, [16])],
+                                    initializer=[stolen])
+    condition = onnx.helper.make_tensor("always", onnx.TensorProto.BOOL, [], [True])
+    graph.graph.node.insert(0, onnx.helper.make_node("Constant", [], ["always"], value=condition))
+    graph.graph.node.insert(1, onnx.helper.make_node("If", ["always"], ["taken_out"], then_branch=branch,
+                                                     else_branch=branch))
+    onnx.save(graph, engine / "target.onnx")
+
+
+def sparse_initializer_reads_a_file(engine, secret):
+    graph = onnx.load(engine / "target.onnx", load_external_data=False)
+    values = external("sparse", onnx.TensorProto.FLOAT, 4, f"../outside/{secret.name}")
+    indices = onnx.helper.make_tensor("sparse_indices", onnx.TensorProto.INT64, [4], [0, 1, 2, 3])
+    graph.graph.sparse_initializer.append(onnx.helper.make_sparse_tensor(values, indices, [8]))
+    onnx.save(graph, engine / "target.onnx")
+
+
+def weights_entry_is_spelled_another_way(engine, secret):
+    rewrite(engine, lambda d: d["weights"]["files"][0].update(file=d["weights"]["files"][0]["file"].replace("/", "/./")))
+
+
+MORE_ATTACKS = {
+    subgraph_initializer_reads_a_file: "outside the main graph's initializers",
+    sparse_initializer_reads_a_file: "outside the main graph's initializers",
+    weights_entry_is_spelled_another_way: "not a normal path inside the engine folder",
+}
+
+
+@pytest.mark.parametrize("attack", MORE_ATTACKS, ids=lambda f: f.__name__)
+def test_external_data_only_where_onnx_runtime_takes_it_from_memory(engine, secret, attack, tmp_path, monkeypatch):
+    """Run from a folder holding a planted copy of each location: ONNX Runtime, given the graph as bytes, would
+    resolve what it opens itself against the working directory."""
+    monkeypatch.chdir(secret.parent)
+    (secret.parent / "weights").mkdir()
+    for w in manifest(engine)["weights"]["files"]:
+        (secret.parent / w["file"]).write_bytes(b"\xff" * w["bytes"])
+    attack(engine, secret)
+    with pytest.raises(EngineFormatError, match=MORE_ATTACKS[attack]):
+        Generator.from_engine_dir(engine)

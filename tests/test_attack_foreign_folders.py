@@ -56,14 +56,18 @@ def test_force_never_replaces_a_file_or_a_link(checkpoint, tmp_path, kind):
     assert snapshot(tmp_path) == before
 
 
-def test_force_replaces_an_engine_of_ours(checkpoint, tmp_path):
+def test_force_replaces_an_engine_of_ours_and_only_as_it_was_built(checkpoint, tmp_path):
     out = tmp_path / "out"
     assert v4build("--checkpoint", checkpoint, "--output", out, "--mtp", "0", "--quiet").returncode == 0
-    (out / "left-by-the-old-build").write_text("x")
+    (out / "weights" / "notes.txt").write_text("mine now")          # anything but what a build writes
+    before = snapshot(out)
+    assert_one_line(v4build("--checkpoint", checkpoint, "--output", out, "--mtp", "1", "--quiet", "--force"),
+                    "holds weights/notes.txt, which is not part of an engine folder")
+    assert snapshot(out) == before
+    (out / "weights" / "notes.txt").unlink()
     result = v4build("--checkpoint", checkpoint, "--output", out, "--mtp", "1", "--quiet", "--force")
     assert result.returncode == 0, result.stderr
     assert json.loads((out / "engine.json").read_text())["mtp"] == 1
-    assert not (out / "left-by-the-old-build").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"], "no staging folder, lock or old engine left"
 
 
@@ -86,3 +90,5 @@ def test_make_tiny_force_replaces_a_checkpoint_it_wrote(tmp_path):
     assert result.returncode == 0, result.stderr
     assert (out / "model.safetensors.index.json").read_text() == first       # same layout,
     assert v4build("check", "--checkpoint", out).returncode == 0              # new weights, still a checkpoint
+    (out / "my-notes.md").write_text("mine")
+    assert_one_line(v4build("make-tiny", out, "--config", "split_groups", "--force"), "holds my-notes.md")

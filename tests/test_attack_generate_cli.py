@@ -33,7 +33,10 @@ def start(engine, *args: str) -> tuple[subprocess.Popen, int]:
     read_end, write_end = os.pipe()
     fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, 4096)
     child = subprocess.Popen([sys.executable, "-m", "v4engine.runtime.cli", str(engine), *GENERATE, *args],
-                             stdout=write_end, stderr=subprocess.PIPE, text=True)
+                             stdout=write_end, stderr=subprocess.PIPE, text=True,
+                             # as from a terminal: a run started in the background (nohup, `&`, some CI runners)
+                             # inherits an ignored SIGINT, and Python then installs no KeyboardInterrupt handler
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     os.close(write_end)
     assert os.read(read_end, 1), "it writes"
     return child, read_end

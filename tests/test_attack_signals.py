@@ -114,3 +114,24 @@ def test_a_pid_reused_by_another_process_does_not_keep_a_dead_staging_folder(tmp
     (stale / staging.OWNER).write_text(json.dumps(owner))
     assert staging.remove_dead_staging(out) == [stale]
     assert os.getpid() == owner["pid"]
+
+
+def test_an_engine_set_aside_by_a_writer_killed_between_its_renames_is_put_back(tmp_path):
+    """A replacing writer renames the old OUT aside, then the new one in; killed in between, it leaves OUT missing
+    and the old one aside: the next writer puts that back before deciding anything."""
+    out = tmp_path / "out"
+    aside = tmp_path / ".out.replaced-dead"
+    (aside / "old").mkdir(parents=True)
+    (aside / "old" / "engine.json").write_text("{}")
+    (aside / staging.OWNER).write_text(json.dumps(staging._me() | {"start": "0"}))      # its owner is gone
+    assert staging.remove_dead_staging(out) == [aside]
+    assert (out / "engine.json").read_text() == "{}" and not aside.exists()
+
+
+def test_a_complete_output_whose_writer_died_before_unmarking_it_is_kept(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "engine.json").write_text("{}")
+    (out / staging.OWNER).write_text(json.dumps(staging._me() | {"start": "0"}))
+    assert staging.remove_dead_staging(out) == []
+    assert sorted(p.name for p in out.iterdir()) == ["engine.json"]

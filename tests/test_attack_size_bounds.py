@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file, save_file
 
 from hostile import assert_one_line
 from v4engine.runtime.config import SIZE_BOUNDS
@@ -61,9 +62,33 @@ def test_a_size_beyond_its_bound_is_refused_at_once(checkpoint, field, value):
     assert peak < MAX_RSS_MIB, f"{peak:.0f} MiB"
 
 
+def test_layers_times_experts_is_bounded_too(checkpoint):
+    set_config(checkpoint, num_hidden_layers=SIZE_BOUNDS["num_hidden_layers"],
+               n_routed_experts=SIZE_BOUNDS["n_routed_experts"], num_hash_layers=0,
+               compress_ratios=[0] * (SIZE_BOUNDS["num_hidden_layers"] + 1))
+    result, peak = check(checkpoint)
+    assert_one_line(result, "field 'n_routed_experts'", "times num_hidden_layers")
+    assert peak < MAX_RSS_MIB, f"{peak:.0f} MiB"
+
+
+def test_every_layer_must_hold_every_expert_before_a_model_is_built(checkpoint):
+    """Layer 0 complete is not enough: a model's modules grow with layers x experts."""
+    index = json.loads((checkpoint / "model.safetensors.index.json").read_text())
+    last = max(int(k.split(".")[1]) for k in index["weight_map"] if k.startswith("layers."))
+    gone = {k for k in index["weight_map"] if k.startswith(f"layers.{last}.ffn.experts.")}
+    for shard in sorted(set(index["weight_map"][k] for k in gone)):
+        tensors = load_file(checkpoint / shard)
+        save_file({k: v for k, v in tensors.items() if k not in gone and k.removesuffix("scale") + "weight" not in gone},
+                  checkpoint / shard)
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if k not in gone}
+    (checkpoint / "model.safetensors.index.json").write_text(json.dumps(index))
+    result, _ = check(checkpoint)
+    assert_one_line(result, "field 'n_routed_experts'", f"layer {last} of the checkpoint holds 0 experts")
+
+
 @pytest.mark.parametrize("field, value, needle", [
     ("num_hidden_layers", SIZE_BOUNDS["num_hidden_layers"], "but the checkpoint holds 4 layers"),
-    ("n_routed_experts", SIZE_BOUNDS["n_routed_experts"], "but layer 0 of the checkpoint holds 4 experts"),
+    ("n_routed_experts", SIZE_BOUNDS["n_routed_experts"], "of the checkpoint holds 4 experts"),
     ("vocab_size", 500_000, "but embed.weight has shape"),
 ])
 def test_a_size_within_bounds_that_the_headers_contradict_is_refused_before_any_model(checkpoint, field, value,

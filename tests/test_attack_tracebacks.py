@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import onnx
 import pytest
 
 from hostile import assert_one_line, v4build, v4generate
@@ -34,6 +35,19 @@ def test_a_damaged_graph_is_one_line(engine, damage):
     data = graph.read_bytes()
     graph.write_bytes({"truncated": data[: len(data) // 3], "garbage": bytes(range(256)) * 64, "empty": b""}[damage])
     assert_one_line(v4generate(engine, "--prompt-ids", "3,4,5"), "target.onnx")
+
+
+def test_a_graph_that_loads_but_answers_in_other_shapes_is_one_line(engine):
+    """A Reshape slipped before the logits: the graph loads (its declared outputs are unchanged), then its answer
+    is refused by shape rather than indexed."""
+    graph = onnx.load(engine / "target.onnx", load_external_data=False)
+    producer = next(n for n in graph.graph.node if "logits" in n.output)
+    producer.output[list(producer.output).index("logits")] = "logits.raw"
+    shape = onnx.helper.make_tensor("logits.shape", onnx.TensorProto.INT64, [2], [-1, 7])
+    graph.graph.node.extend([onnx.helper.make_node("Constant", [], ["logits.shape"], value=shape),
+                             onnx.helper.make_node("Reshape", ["logits.raw", "logits.shape"], ["logits"])])
+    onnx.save(graph, engine / "target.onnx")
+    assert_one_line(v4generate(engine, "--prompt-ids", "3,4,5,6,7,8,9"), "target.onnx", "logits")
 
 
 def test_deep_json_in_engine_json_is_one_line(engine):
@@ -76,6 +90,7 @@ def test_deep_json_in_the_index_is_one_line(checkpoint):
     ("swiglu_limit", "inf"),
     ("swiglu_limit", float("nan")),
     ("num_hash_layers", 1.5),
+    ("rope_theta", 10**400),
 ])
 def test_a_config_field_of_the_wrong_type_is_named(checkpoint, field, value):
     config = json.loads((checkpoint / "config.json").read_text())

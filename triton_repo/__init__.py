@@ -13,11 +13,11 @@ bundles on a rendered repository.
 """
 from __future__ import annotations
 
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from v4engine.runtime.engine import EngineManifest
 from v4engine.runtime.errors import V4EngineError
-from v4engine.runtime.staging import check_destination, staged_folder
+from v4engine.runtime.staging import Ours, check_destination, staged_folder
 
 from .config import STEPS, Options, model_configs
 
@@ -26,13 +26,17 @@ from v4engine.triton_repo.models.{name} import TritonPythonModel  # noqa: F401
 '''
 
 
-REPOSITORY = "a model repository rendered by v4build triton-repo"
+def _repository_entry(entry: PurePosixPath) -> bool:
+    """What render() writes, and the Python backend's byte-code cache beside each model.py."""
+    parts = entry.parts
+    if parts[0] not in {"ensemble", *(s.name for s in STEPS)}:
+        return False
+    return len(parts) == 1 or parts[1:] in (("config.pbtxt",), ("1",), ("1", "model.py"), ("1", "__pycache__")) \
+        or parts[1:3] == ("1", "__pycache__")
 
 
-def is_model_repository(folder: Path) -> bool:
-    """Whether `folder` is a repository render() wrote: the only kind of folder `force` replaces."""
-    return all((folder / step / "1" / "model.py").is_file() for step in (s.name for s in STEPS)) and \
-        (folder / "ensemble" / "config.pbtxt").is_file()
+# The only kind of folder `force` replaces
+REPOSITORY = Ours("a model repository rendered by v4build triton-repo", "ensemble/config.pbtxt", _repository_entry)
 
 
 class RenderError(V4EngineError):
@@ -60,7 +64,7 @@ def render(engine_dir: str | Path, out: str | Path, *, gpu: bool = False, max_ba
         if not isinstance(value, int) or value < low or (high is not None and value > high):
             bound = f"from {low} to {high} (the engine was built for batches of {high})" if high else f">= {low}"
             raise RenderError(f"{name} must be an integer {bound} (got {value!r})")
-    check_destination(out, force, is_model_repository, REPOSITORY)
+    check_destination(out, force, REPOSITORY)
     if not out.parent.is_dir():
         raise RenderError(f"{out.parent}: no such folder")
     try:
@@ -69,7 +73,7 @@ def render(engine_dir: str | Path, out: str | Path, *, gpu: bool = False, max_ba
         configs = model_configs(options)
     except ValueError as e:
         raise RenderError(f"{engine_dir}: cannot be written into a config.pbtxt: {e}") from None
-    with staged_folder(out, "rendering", force, is_model_repository, REPOSITORY) as tmp:
+    with staged_folder(out, "rendering", force, REPOSITORY) as tmp:
         for name, text in configs.items():
             (tmp / name / "1").mkdir(parents=True)        # the ensemble's version folder stays empty
             (tmp / name / "config.pbtxt").write_text(text)

@@ -6,6 +6,11 @@ from abc import ABC, abstractmethod
 import numpy as np
 
 from ..engine import TensorSpec
+from ..errors import V4EngineError
+
+
+class EngineRunError(V4EngineError):
+    """An engine call failed, or returned outputs of other shapes than its graph declares."""
 
 
 class EngineSession(ABC):
@@ -17,6 +22,23 @@ class EngineSession(ABC):
     @abstractmethod
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run the graph on `feeds` (every input by name) and return every output by name."""
+
+
+def checked_outputs(session: EngineSession, feeds: dict[str, np.ndarray], outputs: dict[str, np.ndarray],
+                    graph: object) -> dict[str, np.ndarray]:
+    """`outputs`, once each has its declared rank and fixed dimensions, and the feeds' batch and sequence length:
+    what the scheduler indexes them by (a graph that loads but answers otherwise is refused, not indexed)."""
+    batch, seq = feeds["input_ids"].shape
+    sizes = {"batch": batch, "seq": seq}
+    for spec in session.outputs:
+        value = outputs.get(spec.name)
+        want = [sizes.get(d, d) if isinstance(d, str) else d for d in spec.shape]
+        if value is None or value.ndim != len(want) or any(isinstance(w, int) and w != d
+                                                           for w, d in zip(want, value.shape)):
+            got = None if value is None else list(value.shape)
+            raise EngineRunError(f"{graph}: output {spec.name} has shape {got}, not {spec.shape} (batch {batch}, "
+                                 f"seq {seq}); refused")
+    return outputs
 
 
 def open_session(engine_dir, manifest, graph: str, **options) -> EngineSession:

@@ -51,8 +51,8 @@ class MIGraphXSession(EngineSession):
             self._profiles = recorded_profiles(compiled, graph, str(folder.manifest_path))
             files = {p.get("profile"): p.get("file") for p in programs if isinstance(p, dict)}
             field = f"build.compile.programs.{graph}"
-            # migraphx.load takes a path: the path is checked to stay inside the engine folder first
-            self._programs = [migraphx.load(str(folder.path(files.get(p.name), field))) for p in self._profiles]
+            self._programs = [migraphx.load(str(folder.checked_path(files.get(p.name), field, "compiled")))
+                              for p in self._profiles]
             return
         import onnxruntime as ort
 

@@ -15,7 +15,8 @@ import onnxruntime as ort
 
 from ..engine import EngineManifest
 from ..engine_folder import EngineFolder, EngineFormatError, read_graph
-from . import EngineSession
+from ..untrusted import first_line
+from . import EngineRunError, EngineSession, checked_outputs
 
 
 class OnnxRuntimeSession(EngineSession):
@@ -30,6 +31,7 @@ class OnnxRuntimeSession(EngineSession):
         weights = folder.map_weights(manifest.weights)
         model = read_graph(folder, entry, weights)
         options = ort.SessionOptions()
+        options.log_severity_level = 3          # errors only: what goes wrong reaches the caller as one line
         if threads:
             options.intra_op_num_threads = threads
         if alternating:
@@ -46,12 +48,17 @@ class OnnxRuntimeSession(EngineSession):
         try:
             self._session = ort.InferenceSession(model, options, providers=providers or ["CPUExecutionProvider"])
         except Exception as e:      # noqa: BLE001 - ONNX Runtime's errors share no base class below Exception
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise EngineFormatError(f"{folder.directory / entry.file}: ONNX Runtime cannot load it ({reason})") from None
+            raise EngineFormatError(f"{folder.directory / entry.file}: ONNX Runtime cannot load it "
+                                    f"({first_line(e)})") from None
         weights.release_pages()
         self._weights = weights
         self.inputs, self.outputs = entry.inputs, entry.outputs
         self._output_names = [o.name for o in entry.outputs]
+        self._graph = folder.directory / entry.file
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return dict(zip(self._output_names, self._session.run(self._output_names, feeds)))
+        try:
+            values = self._session.run(self._output_names, feeds)
+        except Exception as e:      # noqa: BLE001 - ONNX Runtime's errors share no base class below Exception
+            raise EngineRunError(f"{self._graph}: ONNX Runtime failed to run it ({first_line(e)})") from None
+        return checked_outputs(self, feeds, dict(zip(self._output_names, values)), self._graph)

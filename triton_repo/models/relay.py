@@ -24,6 +24,7 @@ import shutil
 import socket
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -78,6 +79,7 @@ class CancelRelay:
             except OSError:
                 if self._closed:
                     return
+                time.sleep(0.05)                 # a lasting error must not spin this thread
                 continue
             if self._closed:
                 return

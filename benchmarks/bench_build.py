@@ -4,7 +4,7 @@ Makes bf16 checkpoints of the tiny `mixed` layout widened to about 0.1, 0.5 and 
 layers, same graph; wider matrices), builds each with `v4build --mtp 1` in a fresh process, and reports wall
 time and the build process's peak RSS. Goal: peak RSS roughly flat in checkpoint size.
 
-    .venv/bin/python benchmarks/bench_build.py [--sizes 0.1 0.5 2] [--work DIR]
+    .venv/bin/python -m benchmarks.bench_build [--sizes 0.1 0.5 2] [--work DIR]
 """
 from __future__ import annotations
 

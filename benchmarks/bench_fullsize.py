@@ -1,4 +1,5 @@
-"""Full size without the bytes: a release-shaped checkpoint through `v4build --backend tensorrt --onnx-only`.
+"""Full size without the bytes: a release-shaped checkpoint through `v4build --backend tensorrt --onnx-only` (or
+`--backend onnxruntime`, which also loads every graph in ONNX Runtime without optimizing it).
 
 1. `v4build make-release` writes the release's checkpoint (V4-Flash: 43 layers, 256 experts, FP8 block weights,
    MXFP4 experts, mtp.0.*; about 160 GB) as sparse safetensors files: valid headers, data holes, no disk used.
@@ -6,11 +7,13 @@
    weights attached in place, onnx.checker and strict shape inference, the TensorRT preparation and profiles).
 3. Reported: wall time, the child's peak RSS, the build's stages, and where every weight's bytes come from:
    each initializer of both graphs is in place (a linked checkpoint file), converted (weights/converted.bin) or
-   inline; FP8 and FP4 tensors must all be in place, and only FP8 scale rows may be converted.
+   inline; FP8 and FP4 tensors must all be in place, and only FP8 scale rows may be converted; the graphs'
+   node counts and their most frequent ops.
 4. What the runtime's checks of an engine folder cost at this size (runtime/engine_folder.py): engine.json read
    and checked, every weight file fingerprinted and mapped, each graph parsed and its external data checked.
 
-    .venv/bin/python benchmarks/bench_fullsize.py --work /tmp/fullsize [--release v4-flash] [--mtp 3]
+    .venv/bin/python -m benchmarks.bench_fullsize --work /tmp/fullsize [--release v4-flash] [--mtp 3] \
+        [--backend tensorrt|onnxruntime]
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from collections import Counter
 from pathlib import Path
 
 import onnx
-from bench_build import timed_build
+from benchmarks.bench_build import timed_build
 
 from v4engine.runtime.engine import EngineManifest
 from v4engine.runtime.engine_folder import EngineFolder, read_graph
@@ -71,20 +74,24 @@ def main() -> int:
     parser.add_argument("--release", default="v4-flash", choices=["v4-flash", "v4-pro"], help="default v4-flash")
     parser.add_argument("--mtp", type=int, default=3, help="draft tokens (default 3)")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="activations (default bf16)")
+    parser.add_argument("--backend", default="tensorrt", choices=["tensorrt", "onnxruntime"],
+                        help="tensorrt (--onnx-only) or onnxruntime (default tensorrt)")
     args = parser.parse_args()
     bin_dir = Path(sys.executable).parent
-    checkpoint, engine = args.work / args.release, args.work / f"{args.release}-tensorrt"
+    checkpoint, engine = args.work / args.release, args.work / f"{args.release}-{args.backend}"
     args.work.mkdir(parents=True, exist_ok=True)
-    subprocess.run([bin_dir / "v4build", "make-release", str(checkpoint), "--release", args.release, "--force"],
-                   check=True)
+    if not (checkpoint / "config.json").is_file():
+        subprocess.run([bin_dir / "v4build", "make-release", str(checkpoint), "--release", args.release], check=True)
     shutil.rmtree(engine, ignore_errors=True)
-    wall, peak_mib = timed_build(checkpoint, engine, "--backend", "tensorrt", "--onnx-only", "--mtp", str(args.mtp),
+    only = ["--onnx-only"] if args.backend == "tensorrt" else []
+    wall, peak_mib = timed_build(checkpoint, engine, "--backend", args.backend, *only, "--mtp", str(args.mtp),
                                  "--dtype", args.dtype)
     manifest = EngineManifest.read(engine)
     ckpt_apparent, ckpt_used = disk_bytes(checkpoint)
     graphs_apparent = sum((engine / g.file).stat().st_size for g in manifest.graphs.values())
     converted = next((w.bytes for w in manifest.weights if w.link == "converted"), 0)
-    print(f"\n## {args.release}: v4build --backend tensorrt --onnx-only --mtp {args.mtp} --dtype {args.dtype}\n")
+    print(f"\n## {args.release}: v4build --backend {args.backend} {' '.join(only)} --mtp {args.mtp} "
+          f"--dtype {args.dtype}\n")
     print("| measure | value |\n|---|---|")
     print(f"| wall time | {wall:.0f} s |")
     print(f"| peak RSS | {peak_mib / 1024:.2f} GiB |")
@@ -100,10 +107,17 @@ def main() -> int:
     for graph, counts in weight_sources(engine, manifest).items():
         listed = ", ".join(f"{source} {kind}: {n}" for (source, kind), n in sorted(counts.items()))
         print(f"| {graph} initializers | {listed} |")
-    print(f"| TensorRT | {manifest.build['compile']['tensorrt']} |")
-    listed = "; ".join(f"{graph}: " + ", ".join(p["name"] for p in ps)
-                       for graph, ps in manifest.build["compile"]["profiles"].items())
-    print(f"| profiles | {listed} |")
+    for graph, entry in manifest.graphs.items():
+        ops = Counter(n.op_type for n in onnx.load(str(engine / entry.file), load_external_data=False).graph.node)
+        print(f"| {graph} nodes | {sum(ops.values())}: " + ", ".join(f"{op} {n}" for op, n in ops.most_common(8)) + " |")
+    if args.backend == "tensorrt":
+        print(f"| TensorRT | {manifest.compiled.tensorrt} |")
+        listed = "; ".join(f"{graph}: " + ", ".join(p.name for p in ps)
+                           for graph, ps in manifest.compiled.profiles.items())
+        print(f"| profiles | {listed} |")
+    else:
+        print(f"| ONNX Runtime | {manifest.compiled.onnxruntime}, loaded on {manifest.compiled.providers_checked} "
+              f"{manifest.compiled.not_loaded or ''} |")
     print(f"| runtime's checks of the folder | {runtime_checks(engine)} |")
     return 0
 

@@ -1,19 +1,18 @@
 """Generation speed and acceptance on held-out text: transformers eager vs v4engine with MTP = 0, 1, 2, 3.
 
 On the trained tiny V4 (examples/tiny-v4) and held-out prompts from the standard library (files the model
-never saw; the split of examples/train_tiny.py), greedy, one run:
+never saw; v4engine.builder.corpus's split), greedy, one run:
   - batch 1, interleaved: for each prompt, transformers `generate()` (the same target weights, dequantized to
     fp32 as the engine uses them) and v4engine MTP = 0..3 run back to back, so machine noise hits all alike;
   - batch 4 and 16 (v4engine only), the prompts cycled, each system in turn per round.
 Reports tokens/s, time to first token, acceptance rate, mean acceptance length, per-position acceptance and
 host overhead (time outside engine calls, as a share of step time), then the ratios the issue asks for.
 
-    .venv/bin/python benchmarks/bench_generate.py [--checkpoint examples/tiny-v4] [--work /tmp/bench-generate]
+    .venv/bin/python -m benchmarks.bench_generate [--checkpoint examples/tiny-v4] [--work /tmp/bench-generate]
 """
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -22,7 +21,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from v4engine.builder.cli import main as v4build
+from benchmarks import built_engine
+from v4engine.builder import oracle
+from v4engine.builder.corpus import stdlib_split
 from v4engine.runtime.generator import Generator
 from v4engine.runtime.metrics import RequestMetrics
 from v4engine.runtime.sampling import SamplingParams
@@ -30,26 +31,14 @@ from v4engine.runtime.sampling import SamplingParams
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def load_module(name: str, path: Path):
-    """A module of this repository that is not part of the package (the training script, the test oracle)."""
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-ORACLE = load_module("oracle", ROOT / "tests" / "oracle.py")
-
-
 def held_out_prompts(tokenizer_path: Path, count: int, length: int, need: int, seed: int) -> list[list[int]]:
     """`count` prompts of `length` tokens, one per held-out file long enough for prompt + generation."""
     from tokenizers import Tokenizer
 
-    train_tiny = load_module("train_tiny", ROOT / "examples" / "train_tiny.py")
     tokenizer = Tokenizer.from_file(str(tokenizer_path))
     rng = np.random.default_rng(seed)
     prompts = []
-    for path in train_tiny.corpus()[1]:
+    for path in stdlib_split()[1]:
         ids = tokenizer.encode(path.read_text(errors="replace")).ids
         if len(ids) >= length + need:
             start = int(rng.integers(0, len(ids) - length - need + 1))
@@ -99,7 +88,7 @@ def run_transformers(model, prompt: list[int], new_tokens: int, tally: Tally) ->
     clock = FirstTokenClock()
     ids = torch.tensor([prompt])
     started = time.perf_counter()
-    with torch.no_grad(), ORACLE.lowest_index_ties():
+    with torch.no_grad(), oracle.lowest_index_ties():
         out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, streamer=clock)
     tally.seconds += time.perf_counter() - started
     tally.ttft.append(clock.first - started)
@@ -123,13 +112,9 @@ def run_v4engine(generator: Generator, prompts: list[list[int]], new_tokens: int
 # --------------------------------------------------------------------------- the run
 def prepare(checkpoint: Path, work: Path) -> tuple[Path, Path]:
     """The v4engine engine (--mtp 3) and an fp32 transformers copy of the same (dequantized) target weights."""
-    engine, hf = work / "engine", work / "hf"
-    work.mkdir(parents=True, exist_ok=True)
-    if not (engine / "engine.json").exists():
-        if v4build(["--checkpoint", str(checkpoint), "--mtp", "3", "--output", str(engine), "--force"]):
-            raise SystemExit("v4build failed")
+    engine, hf = built_engine(checkpoint, work), work / "hf"
     if not (hf / "config.json").exists():
-        ORACLE.transformers_copy(checkpoint, hf)
+        oracle.transformers_copy(checkpoint, hf)
     return engine, hf
 
 
@@ -162,7 +147,7 @@ def main() -> None:
     prompts = held_out_prompts(args.checkpoint / "tokenizer.json", args.prompts, args.prompt_tokens,
                                args.new_tokens, args.seed)
 
-    model = ORACLE.load_transformers(hf)
+    model = oracle.load_transformers(hf)
     model.generation_config.eos_token_id = None              # fixed length, like ignore_eos below
     max_batch = max(args.batch_sizes)
     generators = {k: Generator.from_engine_dir(engine, mtp=k, max_batch=max_batch, threads=args.threads)

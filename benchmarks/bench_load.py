@@ -7,7 +7,7 @@ engine built by its own runtime's v4build (the engine formats differ):
 
     git worktree add /tmp/base HEAD~1 && mkdir -p /tmp/basepkg/v4engine && touch /tmp/basepkg/v4engine/__init__.py
     for d in builder runtime plugins triton_repo; do ln -s /tmp/base/$d /tmp/basepkg/v4engine/$d; done
-    .venv/bin/python benchmarks/bench_load.py --work /tmp/bench-load --baseline /tmp/basepkg
+    .venv/bin/python -m benchmarks.bench_load --work /tmp/bench-load --baseline /tmp/basepkg
 
 Each round runs every variant in a fresh process, interleaved: RSS after Generator.from_engine_dir, peak RSS,
 load seconds, and greedy decode tokens/s (MTP 0, after a warm-up). The model is wider than the tiny ones

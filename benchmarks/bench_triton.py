@@ -13,7 +13,7 @@ The burst: --concurrent streams sent at once (`/generate_stream`, one client thr
 stream's time to first token, the burst's wall time and its engine calls (Triton's metrics port) are set against
 the engine calls the same requests take one after another in-process.
 
-    .venv/bin/python benchmarks/bench_triton.py [--engine ENGINE_DIR | --checkpoint examples/tiny-v4] \\
+    .venv/bin/python -m benchmarks.bench_triton [--engine ENGINE_DIR | --checkpoint examples/tiny-v4] \\
         [--rounds 5] [--max-tokens 64] [--concurrent 8] [--env .venv-triton] [--work /tmp/bench-triton]
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from v4engine.builder.cli import main as v4build
+from benchmarks import built_engine
 from v4engine.runtime.generator import Generator
 from v4engine.runtime.sampling import SamplingParams
 from v4engine.triton_repo import render
@@ -89,11 +89,7 @@ def main() -> None:
     p.add_argument("--concurrent", type=int, default=8, help="streams per burst (at most the repository's max_batch)")
     args = p.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
-    engine = args.engine
-    if engine is None:
-        engine = args.work / "engine"
-        if not (engine / "engine.json").is_file():
-            v4build(["--checkpoint", str(args.checkpoint), "--mtp", "3", "--output", str(engine), "--quiet"])
+    engine = args.engine or built_engine(args.checkpoint, args.work)
     repo = render(engine, args.work / "repo", force=True)
     generator = Generator.from_engine_dir(engine)
     params = SamplingParams(max_new_tokens=args.max_tokens, ignore_eos=True)

@@ -16,7 +16,7 @@ Afterwards it checks, from outside the server:
 - a normal request still gets exactly the tokens of v4engine.runtime's Generator for the same prompt.
 It prints a table and exits 1 if a check fails.
 
-    .venv/bin/python benchmarks/soak_triton.py [--engine ENGINE_DIR] [--requests 2000] [--concurrency 50] \\
+    .venv/bin/python -m benchmarks.soak_triton [--engine ENGINE_DIR] [--requests 2000] [--concurrency 50] \\
         [--max-tokens 16] [--long-tokens 256] [--warmup 100] [--seed 0] [--env .venv-triton] [--work /tmp/soak-triton]
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from v4engine.builder.cli import main as v4build
+from benchmarks import built_engine
 from v4engine.runtime.generator import Generator
 from v4engine.runtime.sampling import SamplingParams
 from v4engine.triton_repo import render
@@ -175,12 +175,7 @@ def main() -> int:
     p.add_argument("--work", type=Path, default=Path("/tmp/soak-triton"))
     args = p.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
-    engine = args.engine
-    if engine is None:
-        engine = args.work / "engine"
-        if not (engine / "engine.json").is_file():
-            v4build(["--checkpoint", str(ROOT / "examples" / "tiny-v4"), "--mtp", "3", "--output", str(engine),
-                     "--quiet"])
+    engine = args.engine or built_engine(ROOT / "examples" / "tiny-v4", args.work)
     # room for every concurrent request: the soak is about what is left behind, not about refusals
     repo = render(engine, args.work / "repo", max_queue_size=args.concurrency, force=True)
     rng = random.Random(args.seed)

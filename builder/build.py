@@ -1,4 +1,4 @@
-"""v4build's main job: checkpoint folder -> engine directory (DESIGN.md, "The three parts and the one flow").
+"""v4build's main job: checkpoint folder -> engine directory (docs/architecture.md §1).
 
 The build runs in a temporary folder next to OUT and is renamed to OUT only at the very end, so an
 interrupted or failed build leaves no OUT and no partial files. Steps: read and check the checkpoint
@@ -23,8 +23,10 @@ from tqdm import tqdm
 
 from v4engine.plugins import DOMAIN, OPSET, onnx_functions
 from v4engine.plugins.sinkhorn import NAME as SINKHORN
-from v4engine.runtime.engine import (ACTIVATION_DTYPES, BUILT_LIMIT_DEFAULTS, FORMAT, MANIFEST, MAX_MTP,
-                                     EngineManifest, GraphEntry, cache_groups, check_limits, graph_specs)
+from v4engine.runtime.backends import BACKENDS
+from v4engine.runtime.engine import (ACTIVATION_DTYPES, BUILT_LIMIT_DEFAULTS, FORMAT, MANIFEST, MAX_MTP, VALUE_BYTES,
+                                     EngineManifest, GraphEntry, check_limits)
+from v4engine.runtime.layout import CacheLayout, graph_specs
 from v4engine.runtime.errors import V4EngineError
 from v4engine.runtime.untrusted import read_json
 from v4engine.runtime.staging import Ours, check_destination, staged_folder
@@ -35,7 +37,7 @@ from .backends.tensorrt import TIMING_CACHE
 from .checkpoint import checkpoint_file
 from .export import export_graph, split_sequences
 from .load import open_checkpoint
-from .weights import WeightWriter, attach_weights, serialize_without_data
+from .weights import WeightGroup, WeightWriter, attach_weights, serialize_without_data
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
@@ -98,6 +100,8 @@ def _check_output(options: BuildOptions) -> None:
         raise BuildError(f"{parent}: cannot write the engine here ({e.strerror})") from None
     if not 0 <= options.mtp <= MAX_MTP:
         raise BuildError(f"--mtp must be from 0 to {MAX_MTP} (got {options.mtp})")
+    if options.backend not in BACKENDS:
+        raise BuildError(f"--backend must be one of {', '.join(BACKENDS)} (got {options.backend!r})")
     if options.onnx_only and options.backend != "tensorrt":
         raise BuildError(f"--onnx-only applies to --backend tensorrt (got --backend {options.backend})")
 
@@ -126,16 +130,16 @@ class StageClock:
 
 
 def _write_graph(tmp: Path, name: str, options: BuildOptions, cfg, ckpt, writer: WeightWriter, clock: StageClock
-                 ) -> tuple[dict[str, int], Any]:
-    """Export, attach weights, prepare for the backend, check and save one graph: (weight counts, what the
-    backend's preparation recorded)."""
+                 ) -> tuple[dict[str, int], dict[str, WeightGroup], Any]:
+    """Export, attach weights, prepare for the backend, check and save one graph: (weight counts, bytes by weight
+    group, what the backend's preparation recorded)."""
     draft = name == "draft"
     model = export_graph(cfg, draft=draft, dtype=DTYPES[options.dtype], max_batch=options.max_batch,
                          max_seq_len=options.max_seq_len)
     proto = serialize_without_data(model)
     split_sequences(proto.graph)
     clock.lap("export")
-    counts = attach_weights(proto, ckpt, cfg, writer, quantized_in_place=QUANTIZED_IN_PLACE[options.backend])
+    counts, groups = attach_weights(proto, ckpt, cfg, writer, BACKENDS[options.backend])
     add_functions(proto)
     clock.lap("weights")
     proto, prepared = prepare_graph(options.backend, proto, name)
@@ -144,7 +148,7 @@ def _write_graph(tmp: Path, name: str, options: BuildOptions, cfg, ckpt, writer:
     clock.lap("check")
     onnx.save(proto, tmp / f"{name}.onnx")
     clock.lap("save")
-    return counts, prepared
+    return counts, groups, prepared
 
 
 def add_functions(proto: onnx.ModelProto) -> None:
@@ -182,6 +186,9 @@ def _experts(expert_dtype: str | None, backend: str) -> str:
     if fmt is None:
         return "as stored, in place"
     name = "MXFP4" if fmt == "mxfp4" else "FP8"
+    if fmt == "mxfp4" and BACKENDS[backend].int8_experts:
+        return ("MXFP4 routed experts kept in place; the graph widens them at load to the exact int8 codes (128 + 2c) "
+                "and 2^(e-128) scales of ONNX Runtime's QMoE")
     if fmt in QUANTIZED_IN_PLACE[backend]:
         return f"{name} routed experts kept {name} in place: blocked DequantizeLinear, scales in place or as float rows"
     return f"{name} routed experts dequantized to the activation dtype into weights/converted.bin"
@@ -192,7 +199,7 @@ def build(options: BuildOptions) -> EngineManifest:
     started = time.perf_counter()
     clock = StageClock()
     _check_output(options)
-    preflight(options.backend, options.onnx_only)
+    preflight(options)
     cfg, ckpt = open_checkpoint(options.checkpoint, mtp=options.mtp > 0)
     check_limits(dataclasses.asdict(options), cfg, "v4build", BuildError)
     clock.lap("checkpoint")
@@ -202,8 +209,10 @@ def build(options: BuildOptions) -> EngineManifest:
             parts = ["target"] + (["draft"] if options.mtp > 0 else [])
             treatment: dict[str, int] = {}
             prepared: dict[str, Any] = {}
+            weight_groups: dict[str, dict[str, Any]] = {}
             for name in tqdm(parts, desc="export", unit="graph", disable=not options.progress):
-                counts, prepared[name] = _write_graph(tmp, name, options, cfg, ckpt, writer, clock)
+                counts, groups, prepared[name] = _write_graph(tmp, name, options, cfg, ckpt, writer, clock)
+                weight_groups[name] = {group: dataclasses.asdict(g) for group, g in sorted(groups.items())}
                 for k, v in counts.items():
                     treatment[k] = treatment.get(k, 0) + v
             weights = writer.close()
@@ -214,7 +223,7 @@ def build(options: BuildOptions) -> EngineManifest:
             for name in parts:
                 inputs, outputs = graph_specs(cfg, draft=name == "draft", dtype=ACTIVATION_DTYPES[options.dtype])
                 graphs[name] = GraphEntry(f"{name}.onnx", tuple(inputs), tuple(outputs))
-                caches[name] = cache_groups(cfg, name, options.mtp, options.dtype)
+                caches[name] = CacheLayout(cfg, name == "draft", options.mtp, VALUE_BYTES[options.dtype])
             experts = _experts(cfg.expert_dtype, options.backend)
             manifest = EngineManifest(
                 model=cfg, backend=options.backend, mtp=options.mtp, dtype=options.dtype, graphs=graphs,
@@ -223,10 +232,11 @@ def build(options: BuildOptions) -> EngineManifest:
                             "tensors": len(ckpt.names()), "scheme": ckpt.scheme},
                 tools=_versions(),
                 build={"max_batch": options.max_batch, "max_seq_len": options.max_seq_len,
-                       "max_prefill_chunk": options.max_prefill_chunk, "opset": OPSET, "weights": treatment})
+                       "max_prefill_chunk": options.max_prefill_chunk, "opset": OPSET, "weights": treatment,
+                       "weight_groups": weight_groups})
             manifest.write(tmp)
             clock.lap("manifest")
-            manifest.build["compile"] = compile_engine(tmp, manifest, options, prepared)
+            manifest.compiled = compile_engine(tmp, manifest, options, prepared)
             clock.lap("compile")
             manifest.build["stages"] = clock.seconds
             manifest.build["seconds"] = round(time.perf_counter() - started, 2)

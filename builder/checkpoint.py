@@ -2,10 +2,10 @@
 
 We parse the safetensors headers ourselves because the exporter needs the absolute byte
 offset of every tensor: ONNX external data points straight into the checkpoint files.
-Tensors are exposed under the official DeepSeek release names (see V4_MODEL.md §5), whatever
+Tensors are exposed under the official DeepSeek release names (see docs/model.md §5), whatever
 naming scheme the files use, and are read through one read-only ``numpy.memmap`` per file.
 
-Quantized formats (V4_MODEL.md §9.1, §9.2):
+Quantized formats (docs/model.md §9.1, §9.2):
 - ``fp8_block``: F8_E4M3 weight, scale multiplies per 128×128 block; the scale is F8_E8M0
   ``<prefix>.scale`` (official) or float ``<prefix>.weight_scale_inv``.
 - ``mxfp4``: I8/U8 weight [out, in/2], two e2m1 codes per byte (low nibble = even index),
@@ -33,23 +33,19 @@ class CheckpointError(V4EngineError):
     """The checkpoint is unreadable, inconsistent, or not a DeepSeek-V4 checkpoint."""
 
 
-# safetensors dtype -> (bytes per element, numpy dtype of the raw view).
+# safetensors dtype -> numpy dtype of its raw view (its itemsize is the dtype's width).
 # BF16 and the 8-bit floats have no numpy dtype, so raw() shows their bits.
-SAFETENSORS_DTYPES: dict[str, tuple[int, str]] = {
-    "BOOL": (1, "|b1"),
-    "U8": (1, "|u1"),
-    "I8": (1, "|i1"),
-    "I16": (2, "<i2"),
-    "I32": (4, "<i4"),
-    "I64": (8, "<i8"),
-    "F16": (2, "<f2"),
-    "BF16": (2, "<u2"),
-    "F32": (4, "<f4"),
-    "F64": (8, "<f8"),
-    "F8_E4M3": (1, "|u1"),
-    "F8_E5M2": (1, "|u1"),
-    "F8_E8M0": (1, "|u1"),
+SAFETENSORS_DTYPES: dict[str, str] = {
+    "BOOL": "|b1", "U8": "|u1", "I8": "|i1", "I16": "<i2", "I32": "<i4", "I64": "<i8",
+    "F16": "<f2", "BF16": "<u2", "F32": "<f4", "F64": "<f8", "F8_E4M3": "|u1", "F8_E5M2": "|u1", "F8_E8M0": "|u1",
 }
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of a safetensors dtype."""
+    return np.dtype(SAFETENSORS_DTYPES[dtype]).itemsize
+
+
 _INTEGER_DTYPES = {"BOOL", "U8", "I8", "I16", "I32", "I64"}
 _FP8_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 FP8_BLOCK = 128
@@ -72,7 +68,7 @@ _BLOCK = (
     r"|ffn\.gate\.(?:weight|bias|tid2eid)"
     r"|ffn\.shared_experts\.w[123]\.weight|ffn\.experts\.\d+\.w[123]\.weight"
 )
-# mtp.N.{embed,head}.weight: Flash-Base repeats the shared embedding/head there (V4_MODEL.md §4.1).
+# mtp.N.{embed,head}.weight: Flash-Base repeats the shared embedding/head there (docs/model.md §4.1).
 _MTP_INPUTS = ("e_proj", "h_proj", "enorm", "hnorm")      # what makes mtp.0 V4's MTP layer (DSpark has none)
 _MTP_ONLY = r"(?:e_proj|h_proj|enorm|hnorm|norm|embed|head)\.weight|hc_head_(?:fn|base|scale)"
 _CANONICAL = re.compile(
@@ -285,7 +281,7 @@ class Checkpoint:
         mm = self._maps.get(info.file)
         if mm is None:
             mm = self._maps[info.file] = np.memmap(info.file, dtype=np.uint8, mode="r")
-        return mm[info.offset:info.offset + info.nbytes].view(SAFETENSORS_DTYPES[info.dtype][1]).reshape(info.shape)
+        return mm[info.offset:info.offset + info.nbytes].view(SAFETENSORS_DTYPES[info.dtype]).reshape(info.shape)
 
 
 # --------------------------------------------------------------------- files and headers
@@ -350,7 +346,7 @@ def _read_header(path: Path) -> tuple[bytes, list[_Stored]]:
             raise CheckpointError(f"{path}: tensor {shown(key, 60)} has a malformed header entry") from None
         if dtype not in SAFETENSORS_DTYPES:
             raise CheckpointError(f"{path}: tensor {shown(key, 60)} has unknown dtype {shown(dtype, 20)}")
-        nbytes = math.prod(shape) * SAFETENSORS_DTYPES[dtype][0]
+        nbytes = math.prod(shape) * dtype_bytes(dtype)
         if end - begin != nbytes:
             raise CheckpointError(f"{path}: tensor {shown(key, 60)} ({dtype} {list(shape)[:8]}) needs {nbytes} bytes "
                                   f"but spans {end - begin}")
@@ -437,7 +433,7 @@ def _split_fused(t: _Stored, layer: str, kind: str) -> dict[str, TensorInfo]:
         parts = [("w2", 0, rows)]
     else:
         parts = [("w1", 0, rows // 2), ("w3", rows // 2, rows // 2)]
-    row_bytes = cols * SAFETENSORS_DTYPES[t.dtype][0]
+    row_bytes = cols * dtype_bytes(t.dtype)
     out = {}
     for e in range(n_experts):
         for w, first_row, n_rows in parts:

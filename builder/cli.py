@@ -15,6 +15,7 @@ import os
 import sys
 from pathlib import Path
 
+from v4engine.runtime.backends import BACKENDS
 from v4engine.runtime.engine import BUILT_LIMIT_DEFAULTS
 from v4engine.runtime.errors import V4EngineError
 from v4engine.runtime.staging import Interrupted, signals_as_exceptions
@@ -86,10 +87,14 @@ def summary(out: Path, manifest) -> str:
     for w in manifest.weights:
         lines.append(f"  {w.file}: {mb(w.bytes)} ({w.link}{' to ' + w.source if w.source else ''})")
     lines.append(f"  weights: {manifest.build['weights']}")
+    for graph, groups in manifest.build.get("weight_groups", {}).items():
+        stored, resident = (sum(n for g in groups.values() for n in g[side].values()) for side in ("stored", "resident"))
+        lines.append(f"  {graph} weights: {mb(stored)} stored, {mb(resident)} once loaded "
+                     f"({resident / max(stored, 1):.2f}x; engine.json build.weight_groups has them by group)")
     lines.append("  stages: " + ", ".join(f"{k} {v:.1f} s" for k, v in manifest.build.get("stages", {}).items()))
-    for part, groups in manifest.caches.items():
-        per_token = sum(g["bytes_per_token"] for g in groups)
-        fixed = sum(g["fixed_bytes"] for g in groups)
+    for part, layout in manifest.caches.items():
+        per_token = sum(g.bytes_per_token for g in layout.groups)
+        fixed = sum(g.fixed_bytes for g in layout.groups)
         lines.append(f"  {part} caches: {per_token:.0f} bytes per token + {fixed} bytes per sequence")
     return "\n".join(lines)
 
@@ -109,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "temporary folder and renamed at the end)")
     p.add_argument("--mtp", type=int, default=1, help="draft tokens per step with the MTP layer (0: no draft graph; "
                    "> 0 needs the mtp.0.* weights); sizes the caches (default 1)")
-    p.add_argument("--backend", choices=["onnxruntime", "tensorrt", "migraphx"], default="onnxruntime",
+    p.add_argument("--backend", choices=list(BACKENDS), default="onnxruntime",
                    help="engine backend: onnxruntime (default; runs on the CPU, or on CUDA with onnxruntime-gpu), "
                    "tensorrt (NVIDIA GPUs: TensorRT 10.15+/11.x engines with the v4 plugins; needs TensorRT unless "
                    "--onnx-only) or migraphx (AMD GPUs under ROCm: a variant MIGraphX's parser reads, compiled where "
@@ -152,8 +157,9 @@ def tools_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("make-tiny", help="write a random, seeded tiny V4 checkpoint (for tests and examples)",
                        description="Write a random, seeded tiny DeepSeek-V4 checkpoint with its mtp.0.* layer.")
     t.add_argument("out", type=Path, help="output folder to create")
-    t.add_argument("--config", default="mixed", help="tiny config name: mixed, split_groups or flash_like "
-                   "(default: mixed)")
+    t.add_argument("--config", default="mixed", help="config name: mixed, split_groups or flash_like (tiny, what "
+                   "the tests run), or slice (hidden 1024, 64 experts top-6: 0.3 GB with --quantize mxfp4, for "
+                   "benchmarks/bench_slice.py) (default: mixed)")
     t.add_argument("--quantize", choices=["fp8", "mxfp4"], default=None,
                    help="fp8: FP8 e4m3 weights with 128x128 e8m0 block scales where the release has them, routed "
                    "experts too; mxfp4: the same but routed experts MXFP4, exactly like V4-Flash (default: none)")

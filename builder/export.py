@@ -1,11 +1,11 @@
 """Export our V4 to ONNX: the `target` graph (any number of new tokens on existing caches) and the `draft`
-graph (the MTP layer), with flat, named inputs and outputs that follow the engine contract.
+graph (the MTP layer), with flat, named inputs and outputs that follow the engine contract (runtime/layout.py).
 
-The inputs and outputs are the engine contract (runtime/engine.py, graph_specs). Inputs of the target graph: `input_ids`, `positions` [batch, seq], then one `past.{layer}.{cache}` per cache
-group of V4Config.cache_groups (views: windows and partial windows of fixed length, compressed rows of
-dynamic length). Outputs: `logits`, `hidden` (pre-head streams), then one `new.{layer}.{cache}` per group:
-per-position deltas, or per-window rows for the compressed caches. The draft graph takes `hidden`,
-`input_ids` (the next tokens), `positions` and its own window. Batch, sequence and row counts are dynamic.
+Inputs of the target graph: `input_ids`, `positions` [batch, seq], then one `past.{layer}.{cache}` per group of
+the cache layout (windows and partial windows of fixed length, compressed rows of dynamic length). Outputs:
+`logits`, `hidden` (pre-head streams), then one `new.{layer}.{cache}` per group: per-position deltas, or
+per-window rows for the compressed caches. The draft graph takes `hidden`, `input_ids` (the next tokens),
+`positions` and its own window. Batch, sequence and row counts are dynamic.
 
 Weights are not written here: the model is exported on the meta device and the builder attaches every
 initializer afterwards (builder/weights.py), pointing into the checkpoint files.
@@ -24,7 +24,7 @@ from torch.export import Dim
 
 from v4engine.plugins import OPSET
 from v4engine.runtime.config import SLIDING, V4Config
-from v4engine.runtime.engine import TensorSpec, graph_specs
+from v4engine.runtime.layout import CacheLayout, TensorSpec, graph_specs
 
 from .model import LayerCache, Transformer
 from .model.rope import inv_freq
@@ -36,7 +36,7 @@ class _Graph(nn.Module):
     def __init__(self, model: Transformer, draft: bool):
         super().__init__()
         self.model, self.draft = model, draft
-        self.groups = model.cfg.cache_groups(draft=draft, mtp=0)
+        self.groups = CacheLayout(model.cfg, draft).groups
 
     def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.draft:

@@ -22,7 +22,7 @@ from v4engine.runtime.config import V4Config
 from v4engine.runtime.errors import ConfigError
 from v4engine.runtime.staging import check_destination
 
-from .checkpoint import FP8_BLOCK, FP8_QUANTIZATION_CONFIG, MXFP4_BLOCK, SAFETENSORS_DTYPES
+from .checkpoint import FP8_BLOCK, FP8_QUANTIZATION_CONFIG, MXFP4_BLOCK, dtype_bytes
 from .model import Transformer
 from .tiny import CHECKPOINT_FOLDER, stored_form, write_checkpoint_folder
 
@@ -43,14 +43,14 @@ _FLASH: dict[str, Any] = {
     "quantization_config": FP8_QUANTIZATION_CONFIG,
 }
 
-# V4-Pro's sizes are known only from a mirror of its config.json (V4_MODEL.md §1, §6) and its compress_ratios not
+# V4-Pro's sizes are known only from a mirror of its config.json (docs/model.md §1, §6) and its compress_ratios not
 # at all: this takes transformers' default schedule (two HCA layers, then CSA and HCA alternating).
 _PRO = {**_FLASH, "hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 128, "q_lora_rank": 1536,
         "o_groups": 16, "n_routed_experts": 384, "moe_intermediate_size": 3072, "routed_scaling_factor": 2.5,
         "compress_ratios": [128, 128] + [4, 128] * 29 + [4, 0]}
 
 RELEASES: dict[str, tuple[dict[str, Any], int, str]] = {
-    "v4-flash": (_FLASH, 46, "DeepSeek-V4-Flash: config.json values and tensor layout as released (V4_MODEL.md §9)"),
+    "v4-flash": (_FLASH, 46, "DeepSeek-V4-Flash: config.json values and tensor layout as released (docs/model.md §9)"),
     "v4-pro": (_PRO, 64, "DeepSeek-V4-Pro: sizes from a mirror of its config.json; compress_ratios assumed"),
 }
 
@@ -85,7 +85,7 @@ def _write_sparse_safetensors(path: Path, tensors: dict[str, tuple[str, tuple[in
     header: dict[str, Any] = {"__metadata__": {"format": "pt", "content": "no data: a sparse stand-in"}}
     offset = 0
     for name, (dtype, shape) in tensors.items():
-        nbytes = math.prod(shape) * SAFETENSORS_DTYPES[dtype][0]
+        nbytes = math.prod(shape) * dtype_bytes(dtype)
         header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()

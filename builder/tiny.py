@@ -57,6 +57,21 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
                    "index_head_dim": 32, "index_topk": 4, "rope_scaling": _YARN},
 }
 
+# A wide config, not a tiny one (so not in TINY_CONFIGS, which the tests run): one sliding, one CSA and one HCA
+# layer and the MTP layer at V4's head and index widths, 64 experts top-6 (V4-Flash: 256 top-6). With
+# --quantize mxfp4 it is a 0.3 GB checkpoint in which, as in the release, routed experts are most of the bytes: what
+# a tiny model hides (expert count, width, context) shows here (benchmarks/bench_slice.py).
+WIDE_CONFIGS: dict[str, dict[str, Any]] = {
+    "slice": {**_COMMON, "vocab_size": 16384, "hidden_size": 1024, "moe_intermediate_size": 512,
+              "num_hidden_layers": 3, "num_attention_heads": 8, "head_dim": 512, "qk_rope_head_dim": 64,
+              "q_lora_rank": 512, "o_groups": 4, "o_lora_rank": 256, "sliding_window": 128,
+              "compress_ratios": [0, 4, 128, 0], "compress_rate_csa": 4, "compress_rate_hca": 128,
+              "num_hash_layers": 1, "n_routed_experts": 64, "num_experts_per_tok": 6, "index_n_heads": 8,
+              "index_head_dim": 128, "index_topk": 64, "max_position_embeddings": 65536,
+              "rope_scaling": {**_YARN, "original_max_position_embeddings": 4096}},
+}
+CONFIGS = {**TINY_CONFIGS, **WIDE_CONFIGS}
+
 FP8_WEIGHTS = re.compile(r"\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|ffn\.shared_experts\.w[123]|"
                          r"e_proj|h_proj)\.weight$")
 ROUTED_EXPERT = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
@@ -169,10 +184,10 @@ def make_tiny(out: str | Path, config: str = "mixed", seed: int = 0, quantize: s
               names: str = "official", dtype: str = "float32", shards: int = 2, mtp: bool = True,
               agree: float | None = None, force: bool = False) -> Path:
     """Write a tiny random checkpoint folder; returns its path. `force` replaces `out` only if v4build wrote it."""
-    if config not in TINY_CONFIGS:
-        raise ConfigError(f"unknown tiny config {config!r}; choose one of {sorted(TINY_CONFIGS)}")
+    if config not in CONFIGS:
+        raise ConfigError(f"unknown tiny config {config!r}; choose one of {sorted(CONFIGS)}")
     check_destination(Path(out), force, CHECKPOINT_FOLDER)      # before any work
-    raw = dict(TINY_CONFIGS[config], torch_dtype=dtype)
+    raw = dict(CONFIGS[config], torch_dtype=dtype)
     model = random_model(V4Config.from_dict(raw, source=f"tiny config {config}"), seed, agree)
     return save_checkpoint(model, raw, out, quantize=quantize, names=names, dtype=dtype, shards=shards, mtp=mtp,
                            force=force)
@@ -253,5 +268,5 @@ def shard_groups(names: list[str], shards: int) -> list[list[str]]:
     return [g for g in groups if g]
 
 
-__all__ = ["TINY_CONFIGS", "make_tiny", "save_checkpoint", "random_model", "official_to_hf_name", "hf_config",
+__all__ = ["TINY_CONFIGS", "WIDE_CONFIGS", "CONFIGS", "make_tiny", "save_checkpoint", "random_model", "official_to_hf_name", "hf_config",
            "stored_form", "shard_groups", "write_checkpoint_folder"]

@@ -8,10 +8,13 @@ StackedExperts weight [E, out, in], which is the experts' own tensors as [1, out
 - FP8 e4m3 block weights stay FP8 and in place: a blocked DequantizeLinear (last axis, block 128) follows;
   its float32 scales (the 128x128 e8m0 grid, expanded along the output axis as ONNX blocked
   quantization wants) go to the converted-weights file.
-- MXFP4 experts: for ONNX Runtime, which has no FP4 DequantizeLinear, dequantized into the converted file;
-  for TensorRT FLOAT4E2M1 in place, their E8M0 scales in place too, 2^(e-127) computed in the graph, and a
-  blocked DequantizeLinear (block 32). Each backend says which quantized formats it keeps (`quantized_in_place`);
-  the others are dequantized into the converted file.
+- MXFP4 experts: for TensorRT FLOAT4E2M1 in place, their E8M0 scales in place too, 2^(e-127) computed in the
+  graph, and a blocked DequantizeLinear (block 32). For ONNX Runtime, which has no FP4 kernel but an exact int8
+  MoE (`int8_experts`), the stored bytes stay in place too and the graph widens them: each e2m1 code c becomes
+  the uint8 128 + 2c through a 256-entry table, each scale 2^(e-128), stacked per layer; ONNX Runtime folds that
+  at load, so the engine folder holds no copy of any expert (builder/backends/onnxruntime.py runs them). Each
+  backend says which quantized formats it keeps (`quantized_in_place`); the others are dequantized into the
+  converted file.
 The engine folder reaches the checkpoint's files through `weights/`: hard links where the filesystem
 allows (true zero copy, any consumer reads them), symlinks otherwise (the runtime hands those to ONNX
 Runtime from memory maps, since ONNX Runtime refuses external data outside the model folder).
@@ -19,8 +22,10 @@ The converted file is written tensor by tensor, so peak memory does not grow wit
 """
 from __future__ import annotations
 
+import math
 import os
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +34,7 @@ import onnx_ir as ir
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
+from v4engine.runtime.backends import Backend
 from v4engine.runtime.config import V4Config
 from v4engine.runtime.engine import WeightFile
 
@@ -49,14 +55,8 @@ ALIGN = 64
 def _external(name: str, onnx_type: int, shape: tuple[int, ...], location: str, offset: int, length: int
               ) -> TensorProto:
     """An initializer whose bytes are `length` bytes at `offset` of `location` (relative to the engine folder)."""
-    tensor = TensorProto()
-    tensor.name, tensor.data_type = name, onnx_type
-    tensor.dims.extend(shape)
-    tensor.data_location = TensorProto.EXTERNAL
-    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
-        entry = tensor.external_data.add()
-        entry.key, entry.value = key, value
-    return tensor
+    external = ir.ExternalTensor(location, offset, length, ir.DataType(onnx_type), shape=ir.Shape(shape), name=name)
+    return ir.serde.serialize_tensor(external)
 
 
 class WeightWriter:
@@ -138,46 +138,103 @@ def stacked_expert_names(name: str, experts: int) -> list[str] | None:
 
 
 _STACKED = re.compile(r"(?P<ffn>.+\.ffn)\.routed\.(?P<w>w[123])")
-TREATMENTS = ("in place", "in place + cast", "fp8 in place + dequantize", "fp4 in place + dequantize", "converted",
-              "inline")
+TREATMENTS = ("in place", "in place + cast", "fp8 in place + dequantize", "fp4 in place + dequantize",
+              "fp4 in place + int8 codes", "converted", "inline")
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)            # the magnitudes of the e2m1 codes 0..7 (bit 3: sign)
+
+
+def int8_code_table() -> np.ndarray:
+    """[256, 2] uint8: for a byte of two packed e2m1 codes (low nibble first), each code c as 128 + 2c. With the
+    scale 2^(e-128) and zero point 128 that is c * 2^(e-127) exactly: 2c is an integer in [-12, 12]."""
+    nibble = np.array([128 + (-2 if n & 8 else 2) * E2M1[n & 7] for n in range(16)], np.uint8)
+    return np.stack([nibble[np.arange(256) & 15], nibble[np.arange(256) >> 4]], axis=1)
+
+
+@dataclass
+class WeightGroup:
+    """One group of weights (`weight_group`): bytes by format as the checkpoint stores them, and as the backend
+    holds them once an engine is loaded (`resident_form`). engine.json records them per graph."""
+
+    stored: dict[str, int] = field(default_factory=dict)
+    resident: dict[str, int] = field(default_factory=dict)
+
+
+def weight_group(name: str) -> str:
+    """The group a checkpoint tensor belongs to: routed experts, shared experts, attention (with its compressor and
+    indexer), embedding, head, MTP projections, or other (norms, mHC mixes, routers)."""
+    for pattern, group in _GROUPS:
+        if re.search(pattern, name):
+            return group
+    return "other"
+
+
+_GROUPS = ((r"\.ffn\.experts\.", "routed experts"), (r"\.ffn\.shared_experts\.", "shared experts"),
+           (r"\.attn\.", "attention"), (r"^embed\.", "embedding"), (r"^head\.", "head"),
+           (r"\.(e_proj|h_proj)\.", "MTP projections"))
+
+
+_ACTIVATION_TYPES = {TensorProto.FLOAT: ("float32", 4), TensorProto.FLOAT16: ("float16", 2),
+                     TensorProto.BFLOAT16: ("bfloat16", 2)}
+
+
+def group_bytes(info: TensorInfo) -> int:
+    """A checkpoint tensor's bytes with its scales."""
+    return info.nbytes + (info.scale.nbytes if info.scale else 0)
+
+
+def resident_form(treatment: str, backend: Backend, stored: int, elements: int, data_type: int) -> tuple[str, int]:
+    """What a weight of this treatment is once the engine is loaded: (form, bytes). In place: the checkpoint's own
+    bytes, memory-mapped; cast or dequantized: the activation dtype, made at load (where the backend folds the
+    DequantizeLinear of constants, `dequantizes_at_load`; elsewhere FP8 stays FP8); int8 codes: a byte per weight and
+    an fp32 scale per 32."""
+    dtype, size = _ACTIVATION_TYPES.get(data_type, ("", 0))
+    width = elements * size
+    if treatment == "in place" or treatment == "fp4 in place + dequantize" or (
+            treatment == "fp8 in place + dequantize" and not backend.dequantizes_at_load):
+        return "as stored", stored
+    if treatment == "fp4 in place + int8 codes":
+        return "int8 codes + float32 scales, made at load", elements + elements // MXFP4_BLOCK * 4
+    if treatment == "converted":
+        return f"{dtype}, memory-mapped from converted.bin", width
+    return f"{dtype}, made at load", width
 
 
 class _Attacher:
     """Builds, for one graph, the initializers and nodes that give each weight its bytes, counting treatments."""
 
-    def __init__(self, ckpt: Checkpoint, writer: WeightWriter, quantized_in_place: frozenset[str]):
-        self.ckpt, self.writer, self.in_place = ckpt, writer, quantized_in_place
+    def __init__(self, ckpt: Checkpoint, writer: WeightWriter, backend: Backend):
+        self.ckpt, self.writer, self.backend = ckpt, writer, backend
         self.initializers: list[TensorProto] = []
         self.nodes: list[onnx.NodeProto] = []
         self.counts = dict.fromkeys(TREATMENTS, 0)
-        self._e8m0_constants = False
+        self.groups: dict[str, WeightGroup] = {}
+        self._constants: set[str] = set()
 
     def tensor(self, out: str, info: TensorInfo, shape: tuple[int, ...], data_type: int) -> None:
         """`out` (of `shape` and `data_type`) from the checkpoint tensor `info` (same values, maybe a leading 1)."""
-        if info.format != "plain" and info.format not in self.in_place:    # dequantized by the builder
+        if info.format != "plain" and info.format not in self.backend.quantized_in_place:   # dequantized here
             values = self.ckpt.load(info.name, dtype=_TORCH_OF_ONNX[data_type]).reshape(shape)
             self.initializers.append(_external(out, data_type, shape,
                                                *self.writer.convert(values.view(_BITS[values.element_size()]).numpy())))
-            self.counts["converted"] += 1
-            return
-        location = self.writer.link(info.file, self.ckpt.header_sha256(info.file))
-        if info.format == "plain":
+            treatment = "converted"
+        elif info.format == "plain":
             stored = _ONNX_TYPE[info.dtype]
-            name_as_stored = out if stored == data_type else f"{out}.stored"
-            self.initializers.append(_external(name_as_stored, stored, shape, location, info.offset, info.nbytes))
-            self._cast(name_as_stored, out, data_type, "in place")
+            as_stored = self._in_place(out if stored == data_type else f"{out}.stored", stored, shape, info)
+            treatment = "in place" if self._cast(as_stored, out, data_type) else "in place + cast"
         elif info.format == "fp8_block":
             rows = fp8_scale_rows(self.ckpt, info)
             scale = _external(f"{out}.scale", TensorProto.FLOAT, shape[:-1] + rows.shape[-1:],
                               *self.writer.convert(rows))
-            q = _external(f"{out}.fp8", _ONNX_TYPE[info.dtype], shape, location, info.offset, info.nbytes)
-            self.initializers += [q, scale]
-            self._dequantize(q.name, scale.name, out, len(shape) - 1, FP8_BLOCK, data_type, "fp8 in place + dequantize")
+            self.initializers.append(scale)
+            q = self._in_place(f"{out}.fp8", _ONNX_TYPE[info.dtype], shape, info)
+            self._dequantize(q, scale.name, out, len(shape) - 1, FP8_BLOCK, data_type)
+            treatment = "fp8 in place + dequantize"
         else:   # mxfp4: e2m1 codes as FLOAT4E2M1 (low nibble first, as ONNX packs them)
-            q = _external(f"{out}.fp4", TensorProto.FLOAT4E2M1, shape, location, info.offset, info.nbytes)
+            q = self._in_place(f"{out}.fp4", TensorProto.FLOAT4E2M1, shape, info)
             scale = self._e8m0_scale(f"{out}.scale", info.scale, shape[:-1] + (shape[-1] // MXFP4_BLOCK,))
-            self.initializers.append(q)
-            self._dequantize(q.name, scale, out, len(shape) - 1, MXFP4_BLOCK, data_type, "fp4 in place + dequantize")
+            self._dequantize(q, scale, out, len(shape) - 1, MXFP4_BLOCK, data_type)
+            treatment = "fp4 in place + dequantize"
+        self._account(treatment, [info], math.prod(shape), data_type)
 
     def stacked(self, out: str, infos: list[TensorInfo], shape: tuple[int, ...], data_type: int) -> None:
         """A StackedExperts weight [E, ...]: each expert's tensor as [1, ...], then one Concat."""
@@ -186,47 +243,122 @@ class _Attacher:
             self.tensor(part, info, (1,) + shape[1:], data_type)
         self.nodes.append(helper.make_node("Concat", parts, [out], axis=0))
 
+    def int8_codes(self, out: str, experts: list[list[TensorInfo]], rows: int, cols: int) -> None:
+        """MXFP4 experts as an exact int8 MoE's uint8 codes `out.codes` [E, rows, cols] (zero point 128) and fp32
+        scales `out.scales` [E, rows, cols / 32], made in the graph from the stored bytes, layer-wide (a handful of
+        nodes whatever the expert count). `experts`: one list of the E experts' tensors, or two (gate and up):
+        ONNX Runtime's fc1 holds their rows interleaved, done here on the packed bytes, before they widen."""
+        parts = []
+        for part, infos in enumerate(experts):
+            packed, exponents = [f"{out}.{part}.{e}.fp4" for e in range(len(infos))], []
+            for name, info in zip(packed, infos):
+                self._in_place(name, TensorProto.UINT8, (1, rows, cols // 2), info)
+                exponents.append(self._in_place(f"{name}.e8m0", TensorProto.UINT8, (1, rows, cols // MXFP4_BLOCK),
+                                                info.scale))
+            self.nodes += [helper.make_node("Concat", packed, [f"{out}.{part}.fp4"], axis=0),
+                           helper.make_node("Concat", exponents, [f"{out}.{part}.e8m0"], axis=0)]
+            parts.append(f"{out}.{part}")
+        experts_count, rows = len(experts[0]), rows * len(experts)
+        fp4, e8m0 = (self._interleave([f"{p}.{kind}" for p in parts], f"{out}.{kind}", (experts_count, rows, width))
+                     for kind, width in (("fp4", cols // 2), ("e8m0", cols // MXFP4_BLOCK)))
+        self._constant("v4.e2m1_int8", int8_code_table())
+        codes_shape = self._constant(f"v4.shape_{experts_count}x{rows}x{cols}",
+                                     np.array([experts_count, rows, cols], np.int64))
+        self.nodes += [helper.make_node("Cast", [fp4], [f"{out}.bytes"], to=TensorProto.INT32),
+                       helper.make_node("Gather", ["v4.e2m1_int8", f"{out}.bytes"], [f"{out}.pairs"]),
+                       helper.make_node("Reshape", [f"{out}.pairs", codes_shape], [f"{out}.codes"])]
+        self._powers_of_two(e8m0, f"{out}.scales", bias=128.0)
+        everything = [info for infos in experts for info in infos]
+        self._account("fp4 in place + int8 codes", everything, len(everything) * rows * cols // len(experts),
+                      TensorProto.UINT8)
+
+    def _interleave(self, values: list[str], out: str, shape: tuple[int, int, int]) -> str:
+        """The rows of `values` ([E, rows / n, width] each) interleaved into `out` [E, rows, width]; one value is
+        itself."""
+        if len(values) == 1:
+            return values[0]
+        axis = self._constant("v4.axis_2", np.array([2], np.int64))
+        rows_shape = self._constant("v4.shape_{}x{}x{}".format(*shape), np.array(shape, np.int64))
+        self.nodes += [helper.make_node("Unsqueeze", [v, axis], [f"{v}.rows"]) for v in values]
+        self.nodes += [helper.make_node("Concat", [f"{v}.rows" for v in values], [f"{out}.pairs"], axis=2),
+                       helper.make_node("Reshape", [f"{out}.pairs", rows_shape], [out])]
+        return out
+
     def inline(self, tensor: TensorProto) -> None:
         self.initializers.append(tensor)
         self.counts["inline"] += 1
 
-    def _cast(self, source: str, out: str, data_type: int, treatment: str) -> None:
+    def _cast(self, source: str, out: str, data_type: int) -> bool:
+        """`out` as `source` cast to data_type; whether it is `source` itself (no Cast)."""
         if source != out:
             self.nodes.append(helper.make_node("Cast", [source], [out], to=data_type))
-            treatment = "in place + cast" if treatment == "in place" else treatment
-        self.counts[treatment] += 1
+        return source == out
 
-    def _dequantize(self, q: str, scale: str, out: str, axis: int, block: int, data_type: int, treatment: str
-                    ) -> None:
+    def _dequantize(self, q: str, scale: str, out: str, axis: int, block: int, data_type: int) -> None:
         dq_out = out if data_type == TensorProto.FLOAT else f"{out}.dq"
         self.nodes.append(helper.make_node("DequantizeLinear", [q, scale], [dq_out], axis=axis, block_size=block))
-        self._cast(dq_out, out, data_type, treatment)
+        self._cast(dq_out, out, data_type)
+
+    def _account(self, treatment: str, infos: list[TensorInfo], elements: int, data_type: int) -> None:
+        """Count a weight's treatment, and its bytes as stored and as the backend holds them, by weight group."""
+        self.counts[treatment] += len(infos)
+        group = self.groups.setdefault(weight_group(infos[0].name), WeightGroup())
+        for info in infos:
+            stored = info.format if info.format != "plain" else info.dtype.lower()
+            group.stored[stored] = group.stored.get(stored, 0) + group_bytes(info)
+        form, nbytes = resident_form(treatment, self.backend, sum(group_bytes(i) for i in infos), elements,
+                                     data_type)
+        group.resident[form] = group.resident.get(form, 0) + nbytes
+
+    def _constant(self, name: str, value: np.ndarray) -> str:
+        """A small inline initializer shared by the whole graph (added once); its name."""
+        if name not in self._constants:
+            self.initializers.append(numpy_helper.from_array(value, name))
+            self._constants.add(name)
+        return name
+
+    def _in_place(self, name: str, data_type: int, shape: tuple[int, ...], info: TensorInfo) -> str:
+        """An initializer `name` that is the checkpoint tensor `info`'s own bytes, as `data_type` of `shape`."""
+        location = self.writer.link(info.file, self.ckpt.header_sha256(info.file))
+        self.initializers.append(_external(name, data_type, shape, location, info.offset, info.nbytes))
+        return name
 
     def _e8m0_scale(self, out: str, info: TensorInfo, shape: tuple[int, ...]) -> str:
-        """2^(e-127) computed in the graph from the stored E8M0 bytes (in place): opset 23 has no E8M0 scales.
-        Exact for every exponent a weight uses; the codes' edges differ from Checkpoint.load (e = 255, E8M0's NaN,
-        gives inf here; e = 0 gives the subnormal 2^-127, which hardware that flushes subnormals reads as 0)."""
-        if not self._e8m0_constants:
-            self.initializers += [numpy_helper.from_array(np.array(2.0, np.float32), "v4.two"),
-                                  numpy_helper.from_array(np.array(127.0, np.float32), "v4.e8m0_bias")]
-            self._e8m0_constants = True
-        location = self.writer.link(info.file, self.ckpt.header_sha256(info.file))
-        self.initializers.append(_external(f"{out}.e8m0", TensorProto.UINT8, shape, location, info.offset, info.nbytes))
-        self.nodes += [helper.make_node("Cast", [f"{out}.e8m0"], [f"{out}.exp"], to=TensorProto.FLOAT),
-                       helper.make_node("Sub", [f"{out}.exp", "v4.e8m0_bias"], [f"{out}.unbiased"]),
-                       helper.make_node("Pow", ["v4.two", f"{out}.unbiased"], [out])]
+        """The stored E8M0 bytes (in place) as the scales 2^(e-127) of a blocked DequantizeLinear."""
+        return self._powers_of_two(self._in_place(f"{out}.e8m0", TensorProto.UINT8, shape, info), out, bias=127.0)
+
+    def _powers_of_two(self, e8m0: str, out: str, bias: float) -> str:
+        """2^(e-bias) computed in the graph from E8M0 bytes: opset 23 has no E8M0 scales. Exact for every exponent
+        a weight uses; the codes' edges differ from Checkpoint.load (e = 255, E8M0's NaN, gives inf here; e = 0
+        gives the subnormal 2^-127, which hardware that flushes subnormals reads as 0)."""
+        two = self._constant("v4.two", np.array(2.0, np.float32))
+        offset = self._constant(f"v4.e8m0_bias_{bias:g}", np.array(bias, np.float32))
+        self.nodes += [helper.make_node("Cast", [e8m0], [f"{out}.exp"], to=TensorProto.FLOAT),
+                       helper.make_node("Sub", [f"{out}.exp", offset], [f"{out}.unbiased"]),
+                       helper.make_node("Pow", [two, f"{out}.unbiased"], [out])]
         return out
 
 
-def attach_weights(proto: onnx.ModelProto, ckpt: Checkpoint, cfg: V4Config, writer: WeightWriter,
-                   quantized_in_place: frozenset[str], prefix: str = "model.") -> dict[str, int]:
-    """Give every initializer its bytes (see module doc). Returns counts per treatment.
+def _int8_experts(attach: _Attacher, ckpt: Checkpoint, name: str, experts: list[str], shape: tuple[int, ...]
+                  ) -> None:
+    """A layer's MXFP4 experts for ONNX Runtime's QMoE: `…routed.fc1` (gate and up, from the w1 initializer; w3's
+    adds nothing) and `…routed.w2`, each as `.codes` and `.scales` (the rewrite in builder/backends/onnxruntime.py
+    reads them by these names)."""
+    layer, weight = name.rsplit(".", 1)
+    if weight == "w1":
+        gate_up = [[ckpt.info(e) for e in experts], [ckpt.info(e.replace(".w1.", ".w3.")) for e in experts]]
+        attach.int8_codes(f"{layer}.fc1", gate_up, *shape[1:])
+    elif weight == "w2":
+        attach.int8_codes(name, [[ckpt.info(e) for e in experts]], *shape[1:])
 
-    quantized_in_place: the quantized formats ("fp8_block", "mxfp4") the backend keeps quantized in place behind a
-    blocked DequantizeLinear; weights of the other formats are dequantized into the converted file (ONNX Runtime
-    has no FP4 kernel; MIGraphX reads no FLOAT8E4M3FN and no blocked DequantizeLinear at its opset)."""
+
+def attach_weights(proto: onnx.ModelProto, ckpt: Checkpoint, cfg: V4Config, writer: WeightWriter, backend: Backend,
+                   prefix: str = "model.") -> tuple[dict[str, int], dict[str, WeightGroup]]:
+    """Give every initializer its bytes (see module doc), the backend's way: the quantized formats it keeps in
+    place (`quantized_in_place`; the others are dequantized into the converted file) and whether MXFP4 experts
+    become int8 codes (`int8_experts`). Returns counts per treatment and the bytes by weight group."""
     graph = proto.graph
-    attach = _Attacher(ckpt, writer, quantized_in_place)
+    attach = _Attacher(ckpt, writer, backend)
     for tensor in graph.initializer:
         name = tensor.name.removeprefix(prefix)
         table = rope_table(cfg, name)
@@ -234,6 +366,8 @@ def attach_weights(proto: onnx.ModelProto, ckpt: Checkpoint, cfg: V4Config, writ
         experts = stacked_expert_names(name, cfg.n_routed_experts)
         if table is not None:
             attach.inline(numpy_helper.from_array(table.numpy(), tensor.name))
+        elif experts is not None and backend.int8_experts and ckpt.info(experts[0]).format == "mxfp4":
+            _int8_experts(attach, ckpt, tensor.name, experts, shape)
         elif experts is not None:
             attach.stacked(tensor.name, [ckpt.info(e) for e in experts], shape, tensor.data_type)
         else:
@@ -243,4 +377,4 @@ def attach_weights(proto: onnx.ModelProto, ckpt: Checkpoint, cfg: V4Config, writ
     old = list(graph.node)
     del graph.node[:]
     graph.node.extend(attach.nodes + old)
-    return attach.counts
+    return attach.counts, attach.groups

@@ -13,9 +13,7 @@ the official layout (config.json, sharded safetensors with FP8 block weights, mt
 from __future__ import annotations
 
 import argparse
-import hashlib
 import math
-import sysconfig
 import time
 from pathlib import Path
 
@@ -23,6 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from v4engine.builder.corpus import stdlib_split
 from v4engine.builder.model import ModelState, Transformer
 from v4engine.builder.model.v4 import hyper_head
 from v4engine.builder.tiny import random_model, save_checkpoint
@@ -43,14 +42,6 @@ CONFIG = {
     "max_position_embeddings": 65536, "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "float32",
 }
 SPECIALS = ["<|bos|>", "<|eos|>"]
-
-
-def corpus() -> tuple[list[Path], list[Path]]:
-    """(training files, held-out files) of the standard library, deterministic."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
-    held = [p for p in files if hashlib.sha1(str(p.relative_to(root)).encode()).hexdigest().endswith("0")]
-    return [p for p in files if p not in set(held)], held
 
 
 def train_tokenizer(files: list[Path], path: Path, vocab: int):
@@ -127,7 +118,7 @@ def main() -> None:
         log.write(msg + "\n")
         log.flush()
 
-    train_files, held_files = corpus()
+    train_files, held_files = stdlib_split()
     tokenizer = train_tokenizer(train_files, args.work / "tokenizer.json", CONFIG["vocab_size"])
     train = encode(train_files, tokenizer, args.work / "train.npy")
     held = encode(held_files, tokenizer, args.work / "held.npy")

@@ -2,14 +2,16 @@
 
 Every op has a PyTorch reference (what eager code runs), a `v4::Name` node under ONNX export, and an ONNX
 function of standard ops (its lowering, inlined by ONNX Runtime and MIGraphX). TensorRT plugins of the same
-names come with the TensorRT backend (plugins/tensorrt). One op is only ever its function, never a plugin: mHC's
-Sinkhorn rounds (sinkhorn.py), an op so that the export does not trace them layer by layer.
+names come with the TensorRT backend (plugins/tensorrt). Two ops are only ever their functions, never plugins:
+mHC's Sinkhorn rounds (sinkhorn.py), an op so that the export does not trace them layer by layer, and the routed
+experts (moe.py), which ONNX Runtime replaces by its own grouped MoE.
 """
 from __future__ import annotations
 
 import onnx
 
 from . import attention, compressor, indexer
+from .moe import RoutedExperts
 from .common import DOMAIN, OPSET
 from .sinkhorn import sinkhorn_function
 
@@ -20,7 +22,9 @@ PLUGIN_OPS: tuple[str, ...] = tuple(f.name for m in _MODULES for f in m.PLUGIN_F
 def onnx_functions(sinkhorn_rounds: int | None = None) -> list[onnx.FunctionProto]:
     """Every op's lowering and the helpers they call, ready for `ModelProto.functions`; with the model's
     mHC Sinkhorn rounds, that op's function too (a model's graphs need it: see sinkhorn.py)."""
-    out = [] if sinkhorn_rounds is None else [sinkhorn_function(sinkhorn_rounds)]
+    out = [RoutedExperts.to_function_proto()]
+    if sinkhorn_rounds is not None:
+        out.append(sinkhorn_function(sinkhorn_rounds))
     for module in _MODULES:
         for fn in module.PLUGIN_FUNCTIONS:
             proto = fn.to_function_proto()

@@ -1,4 +1,4 @@
-"""Attention with a per-head sink over the sliding window plus compressed rows (V4_MODEL.md §2.3-2.8).
+"""Attention with a per-head sink over the sliding window plus compressed rows (docs/model.md §2.3-2.8).
 
 Three ops share one core: every V4 layer attends to its raw window (the last `window` positions,
 itself included); HCA layers add every compressed row already closed; CSA layers add only the rows

@@ -1,4 +1,4 @@
-"""Compressor emission (V4_MODEL.md §2.6-2.8): gated pooling of per-token values into compressed rows.
+"""Compressor emission (docs/model.md §2.6-2.8): gated pooling of per-token values into compressed rows.
 
 Each token t contributes a value c_t and a gate z_t (+ ape[t mod m]). Window w covers positions
 m*w .. m*w+m-1 and closes at its last token. HCA pools one window; CSA pools 2m slots: the first half
@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from onnxscript import FLOAT, INT64, script
 
+from v4engine.runtime.layout import emitted_rows
+
 from .common import NEG_INF, V4, exporting, op, symbolic
 
 
@@ -22,7 +24,7 @@ def _reference(kv: torch.Tensor, gate: torch.Tensor, first_pos: torch.Tensor, ra
                overlap: bool) -> tuple[torch.Tensor, torch.Tensor]:
     B, L, C = kv.shape
     m = ratio
-    E = (L - state_tokens + m - 1) // m
+    E = emitted_rows(L, m, state_tokens)
     start = first_pos + state_tokens                                  # position of the first new token
     windows = torch.div(start, m, rounding_mode="floor").unsqueeze(1) + torch.arange(E, device=kv.device)
     closes_at = windows * m + (m - 1)
@@ -46,7 +48,7 @@ def _compress(name: str, kv: torch.Tensor, gate: torch.Tensor, first_pos: torch.
               state_tokens: int, overlap: bool) -> tuple[torch.Tensor, torch.Tensor]:
     if exporting():
         B, L, C = kv.shape
-        E = (L - state_tokens + ratio - 1) // ratio
+        E = emitted_rows(L, ratio, state_tokens)
         rows, ids = symbolic(name, [kv, gate, first_pos], dict(ratio=ratio, state_tokens=state_tokens),
                              [kv.dtype, torch.int64], [(B, E, C // 2 if overlap else C), (B, E)])
         return rows, ids

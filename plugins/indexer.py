@@ -1,10 +1,10 @@
-"""Lightning indexer top-k (V4_MODEL.md §2.7): which compressed rows each CSA query attends to.
+"""Lightning indexer top-k (docs/model.md §2.7): which compressed rows each CSA query attends to.
 
 score[t, r] = sum_h weights[t,h] * ReLU(q[t,h] . key[r]) * scale over the rows visible to t
 (0 <= row_id < (t+1) // ratio). The top min(topk, R) rows are kept, ties broken by LOWEST slot index
 (rows are stored in window order, so the lowest window wins) in every realisation: ReLU makes whole
 rows of scores exactly 0, and an unstable top-k would select different rows in prefill and decode
-(DESIGN.md). ONNX TopK keeps index order among equal values, so its lowering is already stable.
+(docs/model.md §7). ONNX TopK keeps index order among equal values, so its lowering is already stable.
 Picks that are not visible come back as -1.
 """
 from __future__ import annotations

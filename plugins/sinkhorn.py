@@ -1,4 +1,4 @@
-"""mHC's Sinkhorn normalization (V4_MODEL.md §2.2): rounds of row then column normalization of the [N, N] stream
+"""mHC's Sinkhorn normalization (docs/model.md §2.2): rounds of row then column normalization of the [N, N] stream
 mixing matrix, each division's denominator + eps.
 
 Under export the rounds are one `v4::HcSinkhorn` node, and the model gets a local function holding them unrolled

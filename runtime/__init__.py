@@ -1,6 +1,13 @@
-"""v4engine.runtime: loads an engine directory and generates (numpy + onnxruntime; torch only for the device
-buffers of the TensorRT session)."""
+"""v4engine.runtime: loads an engine directory and generates (numpy, onnx and onnxruntime; torch only for the
+device buffers of the TensorRT session).
+
+    from v4engine.runtime import Generator, SamplingParams
+    [result] = Generator.from_engine_dir("out/engine").generate(["def fib(n):"], SamplingParams(max_new_tokens=32))
+"""
 from .config import V4Config
 from .errors import ConfigError, V4EngineError
+from .generator import GenerationResult, Generator
+from .sampling import RequestError, SamplingParams
 
-__all__ = ["V4Config", "ConfigError", "V4EngineError"]
+__all__ = ["Generator", "GenerationResult", "SamplingParams", "RequestError", "V4Config", "ConfigError",
+           "V4EngineError"]

@@ -1,6 +1,6 @@
 """Grouped caches with exact rollback: one preallocated buffer per cache group per sequence.
 
-Groups and their sizes come from engine.json (V4Config.cache_groups): the sliding window and the compressor's
+Groups and their sizes come from the cache layout (runtime/layout.py): the sliding window and the compressor's
 partial windows are rings of `rows_fixed` rows indexed by position (at least window + k slots, so a
 rolled-back draft tail never overwrites a row a later query still sees); compressed rows and index keys grow
 one row per `ratio` tokens up to the sequence's capacity. The engine never writes caches: it returns deltas,
@@ -10,17 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .config import SLIDING, CacheGroup, V4Config
+from .config import V4Config
+from .layout import CacheGroup, closed_windows
 
 NUMPY_DTYPES = {"fp32": np.float32, "fp16": np.float16}
-
-
-def view_rows(cfg: V4Config, group: CacheGroup) -> int:
-    """Rows of past the engine reads for a per-position group: the window's W-1, or the partial windows'."""
-    if group.name == "window_kv":
-        return cfg.sliding_window - 1
-    kind = SLIDING if group.layer >= cfg.num_hidden_layers else cfg.layer_types[group.layer]
-    return cfg.state_tokens(kind)
 
 
 class SequenceCache:
@@ -41,7 +34,7 @@ class SequenceCache:
         buf = self.buffers[(group.layer, group.name)]
         if group.ratio:
             return buf[: self.length // group.ratio]
-        n = view_rows(self.cfg, group)
+        n = group.view_rows
         positions = np.arange(self.length - n, self.length)
         rows = buf[positions % buf.shape[0]]
         rows[positions < 0] = 0
@@ -55,8 +48,8 @@ class SequenceCache:
             new = deltas[(g.layer, g.name)]
             buf = self.buffers[(g.layer, g.name)]
             if g.ratio:      # the rows of windows closed within the committed positions
-                first, last = self.length // g.ratio, (self.length + n) // g.ratio
-                buf[first:last] = new[: last - first]
+                first, closed = self.length // g.ratio, closed_windows(self.length, n, g.ratio)
+                buf[first:first + closed] = new[:closed]
             else:      # only the last ring-size positions survive a long chunk: write just those, once each
                 keep = min(n, buf.shape[0])
                 buf[np.arange(self.length + n - keep, self.length + n) % buf.shape[0]] = new[n - keep:n]
@@ -70,7 +63,7 @@ class SequenceCache:
 
 
 def batch_views(caches: list[SequenceCache], groups: list[CacheGroup]) -> dict[str, np.ndarray]:
-    """The `past.{layer}.{name}` inputs of one engine call over these sequences (compressed rows padded)."""
+    """The `past.*` inputs of one engine call over these sequences (compressed rows padded)."""
     feeds = {}
     for g in groups:
         parts = [c.past(g) for c in caches]
@@ -78,5 +71,5 @@ def batch_views(caches: list[SequenceCache], groups: list[CacheGroup]) -> dict[s
             rows = max(p.shape[0] for p in parts)
             parts = [np.concatenate([p, np.zeros((rows - p.shape[0], g.width), p.dtype)]) if p.shape[0] < rows else p
                      for p in parts]
-        feeds[f"past.{g.layer}.{g.name}"] = np.stack(parts)
+        feeds[g.past] = np.stack(parts)
     return feeds

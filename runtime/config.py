@@ -1,6 +1,6 @@
 """V4Config: the DeepSeek-V4 model configuration, read from either form of config.json.
 
-Two forms are in use (V4_MODEL.md §1, §9.4):
+Two forms are in use (docs/model.md §1, §9.4):
 - what transformers writes: `layer_types`, `compress_rates`, `mlp_layer_types`, `rope_parameters{main,compress}`;
 - what the official release ships: `compress_ratios` (one entry per layer plus one per MTP layer),
   `num_hash_layers`, `rope_scaling` (YaRN, compress layers only), `compress_rope_theta`.
@@ -70,44 +70,57 @@ class Rope:
     yarn: Yarn | None = None
 
 
-# Cache groups that grow one row per closed window of `ratio` tokens; a forward emits their rows per window
-# closed, the other groups' per new position.
-ROW_GROUPS = ("compressed_kv", "index_keys")
+# What a config.json may leave out, and what it then is (DeepSeek-V4's own values)
+DEFAULTS = {"sliding_window": 128, "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512, "hc_mult": 4,
+            "hc_sinkhorn_iters": 20, "n_shared_experts": 1, "max_position_embeddings": 1048576,
+            "num_nextn_predict_layers": 1}
+DEFAULT_NUMBERS = {"hc_eps": 1e-6, "routed_scaling_factor": 1.5, "swiglu_limit": 10.0, "rms_norm_eps": 1e-6}
+AT_LEAST_ZERO = ("n_shared_experts", "num_nextn_predict_layers")
 
 
-@dataclass(frozen=True)
-class CacheGroup:
-    """One cache the runtime allocates per sequence for one layer.
-
-    `rows_fixed` rows are allocated up front (windows, compressor partial windows); `per_token`
-    rows grow with the sequence (one compressed row per `ratio` tokens). `width` values per row of
-    `value_bytes` bytes each.
-    """
-
-    layer: int
-    name: str
-    width: int
-    value_bytes: int
-    rows_fixed: int = 0
-    ratio: int = 0
-
-    @property
-    def fixed_bytes(self) -> int:
-        return self.rows_fixed * self.width * self.value_bytes
-
-    @property
-    def bytes_per_token(self) -> float:
-        return self.width * self.value_bytes / self.ratio if self.ratio else 0.0
-
-    def rows_for(self, seq_len: int) -> int:
-        """Rows this group holds for a sequence of `seq_len` committed tokens."""
-        return self.rows_fixed + (seq_len // self.ratio if self.ratio else 0)
-
-    def bytes_for(self, seq_len: int) -> int:
-        return self.rows_for(seq_len) * self.width * self.value_bytes
+def _transformers_form(f: JsonFields, n_layers: int, n_mtp: int, rates: dict[str, int]
+                       ) -> tuple[list[str], list[str]]:
+    """(layer kinds, MoE kinds) of transformers' form: listed, as `layer_types` and `mlp_layer_types`."""
+    return f.items("layer_types", str, most=n_layers), _mlp_kinds(f, n_layers)
 
 
-def _compress_rates(f: JsonFields, size) -> dict[str, int]:
+def _official_form(f: JsonFields, n_layers: int, n_mtp: int, rates: dict[str, int]) -> tuple[list[str], list[str]]:
+    """(layer kinds, MoE kinds) of the official form: each layer's compression ratio (`compress_ratios`, the draft
+    layers' after the target's, all 0)."""
+    ratios = f.items("compress_ratios", int, None, most=n_layers + n_mtp)
+    if ratios is None:
+        raise ConfigError(f"{f.source}: field 'layer_types' (or 'compress_ratios') is missing")
+    if len(ratios) not in (n_layers, n_layers + n_mtp):
+        f.fail("compress_ratios", f"must have num_hidden_layers ({n_layers}) + num_nextn_predict_layers ({n_mtp}) "
+               "entries", len(ratios))
+    if any(r != 0 for r in ratios[n_layers:]):
+        f.fail("compress_ratios", "must be 0 (sliding) for the draft layers after the target's", ratios[n_layers:])
+    kind_of = {0: SLIDING, rates[CSA]: CSA, rates[HCA]: HCA}
+    bad = [r for r in ratios if r not in kind_of]
+    if bad:
+        f.fail("compress_ratios", f"entries must be one of {sorted(kind_of)}", bad[0])
+    return [kind_of[r] for r in ratios[:n_layers]], _mlp_kinds(f, n_layers)
+
+
+def _mlp_kinds(f: JsonFields, n_layers: int) -> list[str]:
+    """`mlp_layer_types` when listed, else the first `num_hash_layers` (default 3) hash-routed, the rest scored."""
+    listed = f.items("mlp_layer_types", str, None, most=n_layers)
+    if listed is not None:
+        return listed
+    n_hash = f.integer("num_hash_layers", 0, SIZE_BOUNDS["num_hidden_layers"], 3)
+    return [HASH_MOE] * min(n_layers, n_hash) + [MOE] * max(0, n_layers - n_hash)
+
+
+def _rope_dim(f: JsonFields, head_dim: int) -> int:
+    """qk_rope_head_dim (official), or head_dim x partial_rotary_factor (transformers), or V4's 64."""
+    if "qk_rope_head_dim" in f.raw:
+        return f.integer("qk_rope_head_dim", 1, SIZE_BOUNDS["head_dim"])
+    if f.raw.get("partial_rotary_factor") is not None:
+        return int(head_dim * f.number("partial_rotary_factor", 0.0, 1.0))
+    return 64
+
+
+def _compress_rates(f: JsonFields) -> dict[str, int]:
     """CSA's and HCA's compression ratios m and m': named (transformers' form), or inferred from the ratios of the
     official form (the smaller is CSA's overlapping m, the larger HCA's)."""
     named = f.get("compress_rates", dict, {})
@@ -120,8 +133,9 @@ def _compress_rates(f: JsonFields, size) -> dict[str, int]:
     inferred = dict(zip((CSA, HCA), nonzero)) if len(nonzero) == 2 else {}
     if len(nonzero) == 1:
         inferred = {CSA: nonzero[0]} if nonzero[0] == 4 else {HCA: nonzero[0]}
-    return {CSA: size("compress_rate_csa", inferred.get(CSA, 4), low=2, bound="compress_rate"),
-            HCA: size("compress_rate_hca", inferred.get(HCA, 128), low=2, bound="compress_rate")}
+    bound = SIZE_BOUNDS["compress_rate"]
+    return {CSA: f.integer("compress_rate_csa", 2, bound, inferred.get(CSA, 4)),
+            HCA: f.integer("compress_rate_hca", 2, bound, inferred.get(HCA, 128))}
 
 
 def _ropes(f: JsonFields) -> tuple[float, float, Yarn | None]:
@@ -201,102 +215,51 @@ class V4Config:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "V4Config":
-        """Read the transformers form or the official form (told apart by `compress_ratios`).
+        """Read the transformers form or the official form (told apart by `layer_types`).
 
         config.json is untrusted: every field is type-checked here, and every size bounded (SIZE_BOUNDS) before
-        anything is computed from it; the rest of the checks are validate()'s."""
+        anything is computed from it; the rest of the checks are validate()'s. What the two forms say differently
+        (the layer kinds, the MoE kinds) each form's own function reads; the rest is common, with DEFAULTS for what
+        a config may leave out."""
         f = JsonFields(raw, source, ConfigError)
-
-        def size(key: str, default: Any = MISSING, low: int = 1, bound: str | None = None) -> int:
-            return f.integer(key, low, SIZE_BOUNDS[bound or key], default)
-
         if f.get("model_type", str, "deepseek_v4") != "deepseek_v4":
             f.fail("model_type", "must be 'deepseek_v4'", raw["model_type"])
-        n_layers = size("num_hidden_layers")
-        n_mtp = size("num_nextn_predict_layers", 1, low=0)
-        dspark = {k: v for k, v in raw.items() if k.startswith(DSPARK_PREFIX)} or None
-        compress_rates = _compress_rates(f, size)
-        ratio_to_kind = {0: SLIDING, compress_rates[CSA]: CSA, compress_rates[HCA]: HCA}
-
-        layer_types = f.items("layer_types", str, None, most=n_layers)
-        if layer_types is None:
-            ratios = f.items("compress_ratios", int, None, most=n_layers + n_mtp)
-            if ratios is None:
-                raise ConfigError(f"{source}: field 'layer_types' (or 'compress_ratios') is missing")
-            if len(ratios) not in (n_layers, n_layers + n_mtp):
-                f.fail("compress_ratios", f"must have num_hidden_layers ({n_layers}) + num_nextn_predict_layers "
-                       f"({n_mtp}) entries", len(ratios))
-            if any(r != 0 for r in ratios[n_layers:]):
-                f.fail("compress_ratios", "must be 0 (sliding) for the draft layers after the target's", ratios[n_layers:])
-            bad = [r for r in ratios if r not in ratio_to_kind]
-            if bad:
-                f.fail("compress_ratios", f"entries must be one of {sorted(ratio_to_kind)}", bad[0])
-            layer_types = [ratio_to_kind[r] for r in ratios[:n_layers]]
-
-        mlp_layer_types = f.items("mlp_layer_types", str, None, most=n_layers)
-        if mlp_layer_types is None:
-            n_hash = size("num_hash_layers", 3, low=0, bound="num_hidden_layers")
-            mlp_layer_types = [HASH_MOE] * min(n_layers, n_hash) + [MOE] * max(0, n_layers - n_hash)
-
-        head_dim = size("head_dim")
-        if "qk_rope_head_dim" in raw:
-            rope_dim = size("qk_rope_head_dim", bound="head_dim")
-        elif raw.get("partial_rotary_factor") is not None:
-            rope_dim = int(head_dim * f.number("partial_rotary_factor", 0.0, 1.0))
-        else:
-            rope_dim = 64
+        sizes = {name: f.integer(name, 0 if name in AT_LEAST_ZERO else 1, bound, DEFAULTS.get(name, MISSING))
+                 for name, bound in SIZE_BOUNDS.items() if name not in ("compress_rate", "moe_intermediate_size")}
+        sizes["moe_intermediate_size"] = f.integer(      # transformers' configs of other models say intermediate_size
+            "moe_intermediate_size", 1, SIZE_BOUNDS["moe_intermediate_size"],
+            f.integer("intermediate_size", 1, SIZE_BOUNDS["moe_intermediate_size"], None) or MISSING)
+        numbers = {name: f.number(name, default=default) for name, default in DEFAULT_NUMBERS.items()}
+        form = _transformers_form if raw.get("layer_types") is not None else _official_form
+        compress_rates = _compress_rates(f)
+        layer_types, mlp_layer_types = form(f, sizes["num_hidden_layers"], sizes["num_nextn_predict_layers"],
+                                            compress_rates)
         rope_theta, compress_theta, yarn = _ropes(f)
-
         quant = f.get("quantization_config", dict, None)
         expert_dtype = f.get("expert_dtype", str, None)
         if expert_dtype is None and quant is not None:
             expert_dtype = JsonFields(quant, source, ConfigError, "quantization_config.").get("expert_dtype", str, None)
         eos = f.get("eos_token_id", (int, list), None)
-        if isinstance(eos, list):
-            eos = f.items("eos_token_id", int, most=1024)
         cfg = cls(
-            vocab_size=size("vocab_size"),
-            hidden_size=size("hidden_size"),
-            moe_intermediate_size=size("moe_intermediate_size",
-                                       size("intermediate_size", None, bound="moe_intermediate_size") or MISSING),
-            num_hidden_layers=n_layers,
-            num_attention_heads=size("num_attention_heads"),
-            head_dim=head_dim,
-            q_lora_rank=size("q_lora_rank"),
-            qk_rope_head_dim=rope_dim,
-            o_groups=size("o_groups"),
-            o_lora_rank=size("o_lora_rank"),
-            sliding_window=size("sliding_window", 128),
+            **sizes, **numbers,
+            qk_rope_head_dim=_rope_dim(f, sizes["head_dim"]),
             layer_types=tuple(layer_types),
             compress_rates=compress_rates,
             mlp_layer_types=tuple(mlp_layer_types),
             rope_theta=rope_theta,
             compress_rope_theta=compress_theta,
             yarn=yarn,
-            index_n_heads=size("index_n_heads", 64),
-            index_head_dim=size("index_head_dim", 128),
-            index_topk=size("index_topk", 512),
-            hc_mult=size("hc_mult", 4),
-            hc_sinkhorn_iters=size("hc_sinkhorn_iters", 20),
-            hc_eps=f.number("hc_eps", default=1e-6),
-            n_routed_experts=size("n_routed_experts"),
-            num_experts_per_tok=size("num_experts_per_tok"),
-            n_shared_experts=size("n_shared_experts", 1, low=0),
-            routed_scaling_factor=f.number("routed_scaling_factor", default=1.5),
-            swiglu_limit=f.number("swiglu_limit", default=10.0),
-            rms_norm_eps=f.number("rms_norm_eps", default=1e-6),
-            num_nextn_predict_layers=n_mtp,
-            max_position_embeddings=size("max_position_embeddings", 1048576),
             num_key_value_heads=f.get("num_key_value_heads", int, 1),
             scoring_func=f.get("scoring_func", str, "sqrtsoftplus"),
             norm_topk_prob=f.get("norm_topk_prob", bool, True),
             tie_word_embeddings=f.get("tie_word_embeddings", bool, False),
             bos_token_id=f.get("bos_token_id", int, None) if "bos_token_id" in raw else 0,
-            eos_token_id=eos if "eos_token_id" in raw else 1,
+            eos_token_id=(f.items("eos_token_id", int, most=1024) if isinstance(eos, list) else eos)
+            if "eos_token_id" in raw else 1,
             torch_dtype=f.get("torch_dtype", str, None) or f.get("dtype", str, "bfloat16"),
             quantization=dict(quant) if quant is not None else None,
             expert_dtype=expert_dtype,
-            dspark=dspark,
+            dspark={k: v for k, v in raw.items() if k.startswith(DSPARK_PREFIX)} or None,
             source=source,
         )
         cfg.validate()
@@ -397,40 +360,3 @@ class V4Config:
         if kind == SLIDING:
             return Rope(self.rope_theta, self.qk_rope_head_dim, None)
         return Rope(self.compress_rope_theta, self.qk_rope_head_dim, self.yarn)
-
-    def state_tokens(self, kind: str) -> int:
-        """Past tokens whose compressor inputs an open window still needs (CSA overlaps two windows)."""
-        if kind == SLIDING:
-            return 0
-        m = self.compress_rates[kind]
-        return 2 * m - 1 if kind == CSA else m - 1
-
-    def cache_groups(self, draft: bool, mtp: int, value_bytes: int = 4) -> list[CacheGroup]:
-        """Every cache a sequence needs, per layer, for the target (draft=False) or the MTP layer.
-
-        Windows hold `sliding_window - 1 + mtp + 1` rows (the engine reads the last window-1 committed
-        rows, a verify writes mtp+1 more before commit). Compressor partial windows likewise hold
-        `state_tokens + mtp + 1` per-token rows (values and gates). Compressed rows and index keys grow
-        one row per `ratio` tokens.
-        """
-        spare = mtp + 1
-        win = self.sliding_window - 1 + spare
-        if draft:
-            return [CacheGroup(self.num_hidden_layers, "window_kv", self.head_dim, value_bytes, rows_fixed=win)]
-        groups: list[CacheGroup] = []
-        for i, kind in enumerate(self.layer_types):
-            groups.append(CacheGroup(i, "window_kv", self.head_dim, value_bytes, rows_fixed=win))
-            if kind == SLIDING:
-                continue
-            m = self.compress_rates[kind]
-            width = 2 * self.head_dim if kind == CSA else self.head_dim
-            state_rows = self.state_tokens(kind) + spare
-            groups.append(CacheGroup(i, "compressor_kv", width, value_bytes, rows_fixed=state_rows))
-            groups.append(CacheGroup(i, "compressor_gate", width, value_bytes, rows_fixed=state_rows))
-            groups.append(CacheGroup(i, "compressed_kv", self.head_dim, value_bytes, ratio=m))
-            if kind == CSA:
-                groups.append(CacheGroup(i, "indexer_kv", 2 * self.index_head_dim, value_bytes, rows_fixed=state_rows))
-                groups.append(CacheGroup(i, "indexer_gate", 2 * self.index_head_dim, value_bytes,
-                                         rows_fixed=state_rows))
-                groups.append(CacheGroup(i, "index_keys", self.index_head_dim, value_bytes, ratio=m))
-        return groups

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -135,7 +136,7 @@ class EngineFolder:
         fd = self._open_bounded(path, kind)
         try:
             with open(fd, "rb", closefd=False) as f:
-                return f.read(MAX_BYTES[kind] + 1)[:MAX_BYTES[kind]]
+                return f.read(os.fstat(fd).st_size)             # bounded by _open_bounded
         finally:
             os.close(fd)
 
@@ -232,20 +233,25 @@ def external_tensors(proto: Any) -> Iterator[tuple[Any, bool]]:
 def check_external_data(proto: Any, weights: MappedWeights, graph: Path) -> None:
     """Every external tensor of `proto` is a main-graph initializer reading inside one of the engine's weight files,
     past its header."""
+    from onnx.external_data_helper import ExternalDataInfo
+
     for tensor, in_main_graph in external_tensors(proto):
-        keys = {e.key: e.value for e in tensor.external_data}
-        location = keys.get("location")
         where = f"{graph}: tensor {shown(tensor.name)}"
         if not in_main_graph:
             raise EngineFormatError(f"{where} has external data outside the main graph's initializers (a subgraph, "
                                     "a sparse tensor or an attribute), which v4build never writes; refused")
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")             # unknown keys: ONNX Runtime reads only these three
+                info = ExternalDataInfo(tensor)
+        except ValueError:
+            info = None
+        if info is None or info.length is None:
+            raise EngineFormatError(f"{where} has no valid offset and length for its external data")
+        location, offset, length = info.location, info.offset or 0, info.length
         if location not in weights.maps:
             raise EngineFormatError(f"{where} reads from {shown(location)}, which is not a weight file of "
                                     "engine.json; refused")
-        try:
-            offset, length = int(keys.get("offset", "0")), int(keys["length"])
-        except (KeyError, ValueError):
-            raise EngineFormatError(f"{where} has no valid offset and length for its external data") from None
         size = weights.maps[location].nbytes
         if offset < weights.data_start[location] or length < 0 or offset + length > size:
             raise EngineFormatError(f"{where} reads bytes [{offset}, {offset + length}) of {location}, outside its "

@@ -11,20 +11,21 @@ from __future__ import annotations
 
 import reprlib
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from .backends import BACKENDS
 from .detokenize import IncrementalDetokenizer, final_text
 from .engine import EngineManifest, check_limits
 from .engine_folder import EngineFolder, EngineFormatError
-from .untrusted import first_line
 from .metrics import RequestMetrics
 from .sampling import RequestError, SamplingParams, is_integer
 from .scheduler import Request, Scheduler
 from .sessions import open_session
+from .untrusted import first_line
 
 Prompt = str | Sequence[int]
 TOKENIZER = "tokenizer.json"
@@ -57,9 +58,6 @@ class GenerationResult:
     text: str | None
     finish_reason: str
     metrics: dict
-
-
-SHAPE_SPECIALIZED = ("tensorrt", "migraphx")       # engines built for shapes up to engine.json's limits
 
 
 class Generator:
@@ -101,7 +99,7 @@ class Generator:
         asked = {"max_batch": max_batch or built["max_batch"], "max_seq_len": max_seq_len or built["max_seq_len"],
                  "max_prefill_chunk": max_prefill_chunk or built["max_prefill_chunk"]}
         check_limits(asked, manifest.model, str(path), RequestError)
-        if manifest.backend in SHAPE_SPECIALIZED:
+        if BACKENDS[manifest.backend].shape_specialized:
             for name, value in asked.items():
                 if value > built[name]:
                     raise RequestError(f"{path}: {name} {value} exceeds the {built[name]} this {manifest.backend} "
@@ -141,20 +139,11 @@ class Generator:
         `advance` and reads it with `progress`; `cancel` ends it early."""
         ids = self.encode(prompt)
         self.check(ids, sampling)
-        stop_check = self._stop_check(sampling.stop) if sampling.stop else None
         with self._lock:
             request = self.scheduler.submit(ids, sampling)
-            request.stop_check = stop_check                # before any step can see the request
+            if sampling.stop:                               # before any step can see the request
+                request.stop_text = IncrementalDetokenizer(self.tokenizer, sampling.stop)
         return request
-
-    def _stop_check(self, stop: Sequence[str]) -> Callable[[int], bool]:
-        """Whether the text holds a stop string, given each new token: the work per token stays bounded."""
-        text = IncrementalDetokenizer(self.tokenizer, stop)
-
-        def holds_stop(token: int) -> bool:
-            text.add([token])
-            return text.stopped
-        return holds_stop
 
     def cancel(self, request: Request) -> None:
         """End `request` now and free its caches; one that already ended keeps its finish reason.

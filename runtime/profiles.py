@@ -1,18 +1,20 @@
-"""Optimization profiles: the input shape ranges a shape-specialized engine (TensorRT) was built for.
+"""Optimization profiles: the input shape ranges a shape-specialized engine (TensorRT, MIGraphX) was built for.
 
 The builder decides them from the calls the scheduler makes (builder/backends/profiles.py) and records them in
-engine.json, in the engine's own order; the runtime picks, for each call, the tightest profile covering its
-input shapes."""
+engine.json (the backend's compile record, runtime/backends.py), in the engine's own order; the runtime picks, for
+each call, the tightest profile covering its input shapes."""
 from __future__ import annotations
 
 import math
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .engine_folder import EngineFormatError
 from .errors import V4EngineError
+from .untrusted import JsonFields
 
 Shape = tuple[int, ...]
+MAX_DIM = (1 << 31) - 1          # the largest dimension a recorded profile may name
 
 
 class ProfileError(V4EngineError):
@@ -27,8 +29,16 @@ class Profile:
     shapes: dict[str, tuple[Shape, Shape, Shape]]
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Profile":
-        return cls(d["name"], {n: tuple(tuple(s) for s in r) for n, r in d["shapes"].items()})
+    def read(cls, fields: JsonFields, inputs: Collection[str]) -> "Profile":
+        """A profile as engine.json records it (untrusted): its name, and for inputs of its graph, three shapes
+        (min, opt, max) of one rank in integers from 0 to MAX_DIM: what `covers` may index and compare."""
+        shapes = fields.nested("shapes")
+        ranges = {}
+        for name, value in shapes.raw.items():
+            if name not in inputs or not _is_range(value):
+                shapes.fail(name, "must be the (min, opt, max) shapes of an input of the graph", value)
+            ranges[name] = tuple(tuple(shape) for shape in value)
+        return cls(fields.get("name", str), ranges)
 
     def covers(self, shapes: dict[str, Shape]) -> bool:
         """Whether every input listed here has a shape inside this profile's [min, max] box."""
@@ -39,19 +49,7 @@ class Profile:
         return sum(math.prod(hi) for _, _, hi in self.shapes.values())
 
 
-def recorded_profiles(compiled: Any, graph: str, source: str) -> list[Profile]:
-    """The profiles engine.json's build.compile records for `graph`, type-checked (engine.json is untrusted)."""
-    try:
-        profiles = [Profile.from_dict(p) for p in compiled["profiles"][graph]]
-        if not profiles or not all(isinstance(p.name, str) and all(isinstance(d, int) for r in p.shapes.values()
-                                                                    for s in r for d in s) for p in profiles):
-            raise ValueError
-    except (KeyError, TypeError, ValueError, AttributeError):
-        raise EngineFormatError(f"{source}: field 'build.compile.profiles.{graph}' is missing or malformed") from None
-    return profiles
-
-
-def choose_profile(profiles: list[Profile], shapes: dict[str, Shape]) -> int:
+def choose_profile(profiles: Sequence[Profile], shapes: dict[str, Shape]) -> int:
     """Index of the tightest profile covering `shapes`; ProfileError naming the call when none does."""
     covering = [i for i, p in enumerate(profiles) if p.covers(shapes)]
     if not covering:
@@ -61,4 +59,10 @@ def choose_profile(profiles: list[Profile], shapes: dict[str, Shape]) -> int:
     return min(covering, key=lambda i: profiles[i].volume())
 
 
-__all__ = ["Profile", "ProfileError", "choose_profile", "recorded_profiles"]
+def _is_range(value: Any) -> bool:
+    return (isinstance(value, list) and len(value) == 3
+            and all(isinstance(shape, list) and len(shape) == len(value[0]) for shape in value)
+            and all(type(d) is int and 0 <= d <= MAX_DIM for shape in value for d in shape))
+
+
+__all__ = ["Profile", "ProfileError", "choose_profile"]

@@ -1,4 +1,4 @@
-"""Continuous batching with MTP speculative decoding (DESIGN.md, "The speculative cycle").
+"""Continuous batching with MTP speculative decoding (docs/architecture.md §4).
 
 Every request carries its phase; one engine call may hold rows in different phases (a prefill chunk beside
 verify rows), each handled by its own phase and length, never by the shape of the batch.
@@ -19,13 +19,13 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
 import numpy as np
 
 from .cache import NUMPY_DTYPES, SequenceCache, batch_views
+from .detokenize import IncrementalDetokenizer
 from .engine import EngineManifest
 from .errors import V4EngineError
 from .metrics import RequestMetrics
@@ -57,7 +57,7 @@ class Request:
     capacity: int
     cache_bytes: int
     metrics: RequestMetrics
-    num_drafts: int                    # draft tokens per step for this request (<= the scheduler's mtp)
+    num_draft_tokens: int              # draft tokens per step for this request (<= the scheduler's mtp)
     rng: np.random.Generator
     stop_ids: frozenset[int]           # token ids that end it: its stop_token_ids, and eos unless ignored
     phase: Phase = Phase.WAITING
@@ -70,7 +70,7 @@ class Request:
     finish_reason: str | None = None   # "stop", "length", "cancelled", or "error" (a failed step: see `error`)
     error: BaseException | None = None
     arrival: float = field(default_factory=time.perf_counter)   # submitted: time to first token counts queueing
-    stop_check: Callable[[int], bool] | None = None   # given each new token: its text now holds a stop string?
+    stop_text: IncrementalDetokenizer | None = None   # its text, for stop strings (set by the Generator)
 
     @property
     def generated(self) -> list[int]:
@@ -110,13 +110,13 @@ class Scheduler:
         self.engine_steps = 0
 
     # ------------------------------------------------------------------ requests
-    def cache_bytes(self, capacity: int, drafts: int | None = None) -> int:
+    def cache_bytes(self, capacity: int, num_draft_tokens: int | None = None) -> int:
         """Bytes of every cache group one sequence of `capacity` tokens needs (engine.json's figures); the draft
-        layer's only for a sequence that drafts (`drafts` per step, default the scheduler's mtp)."""
-        parts = ["target"] + (["draft"] if (self.mtp if drafts is None else drafts) else [])
+        layer's only for a sequence that drafts (`num_draft_tokens` per step, default the scheduler's mtp)."""
+        parts = ["target"] + (["draft"] if (self.mtp if num_draft_tokens is None else num_draft_tokens) else [])
         return sum(g.bytes_for(capacity) for part in parts for g in self.groups[part])
 
-    def drafts(self, params: SamplingParams) -> int:
+    def num_draft_tokens(self, params: SamplingParams) -> int:
         """Draft tokens per step for a request: its num_draft_tokens, else the scheduler's mtp."""
         return self.mtp if params.num_draft_tokens is None else params.num_draft_tokens
 
@@ -127,10 +127,10 @@ class Scheduler:
     def validate(self, prompt: list[int], params: SamplingParams) -> int:
         """Raise RequestError (a one-line reason) if the request cannot be served; else its cache capacity."""
         params.validate()
-        drafts = params.num_draft_tokens
-        if drafts is not None and not (is_integer(drafts) and 0 <= drafts <= self.mtp):
+        asked = params.num_draft_tokens
+        if asked is not None and not (is_integer(asked) and 0 <= asked <= self.mtp):
             raise RequestError(f"num_draft_tokens must be an integer from 0 to {self.mtp}, the draft tokens per step "
-                               f"this engine serves (got {drafts!r})")
+                               f"this engine serves (got {asked!r})")
         if not prompt:
             raise RequestError("the prompt is empty")
         bad = [t for t in prompt if not (0 <= int(t) < self.cfg.vocab_size)]
@@ -143,7 +143,7 @@ class Scheduler:
             raise RequestError(f"the prompt has {len(prompt)} tokens; this engine serves at most "
                                f"{self.max_seq_len - 1} prompt tokens (max_seq_len {self.max_seq_len})")
         capacity = min(self.max_seq_len, len(prompt) + params.max_new_tokens + self.mtp + 1)
-        need = self.cache_bytes(capacity, self.drafts(params))
+        need = self.cache_bytes(capacity, self.num_draft_tokens(params))
         if need > self.budget:
             raise CapacityError(f"the request needs {need} bytes of cache for {capacity} tokens, more than the "
                                 f"budget of {self.budget} bytes")
@@ -152,13 +152,13 @@ class Scheduler:
     def submit(self, prompt: list[int], params: SamplingParams) -> Request:
         """Validate and queue a request; a bad one raises RequestError and changes nothing."""
         capacity = self.validate(prompt, params)
-        drafts = self.drafts(params)
-        need = self.cache_bytes(capacity, drafts)
+        num_draft_tokens = self.num_draft_tokens(params)
+        need = self.cache_bytes(capacity, num_draft_tokens)
         eos = self.cfg.eos_token_id
         eos = [] if params.ignore_eos or eos is None else eos if isinstance(eos, list) else [eos]
         request = Request(id=next(self._ids), prompt=[int(t) for t in prompt], params=params, capacity=capacity,
-                          cache_bytes=need, metrics=RequestMetrics(mtp=drafts), num_drafts=drafts,
-                          rng=np.random.default_rng(params.seed),
+                          cache_bytes=need, metrics=RequestMetrics(mtp=num_draft_tokens),
+                          num_draft_tokens=num_draft_tokens, rng=np.random.default_rng(params.seed),
                           stop_ids=frozenset(int(t) for t in (*params.stop_token_ids, *eos)),
                           tokens=[int(t) for t in prompt])
         self.waiting.append(request)
@@ -200,7 +200,8 @@ class Scheduler:
         finished: list[Request] = []
         engine = 0.0
         if self.mtp:
-            engine += self._draft([r for r in self.active if r.phase == Phase.DECODE and r.num_drafts and not r.drafts])
+            engine += self._draft([r for r in self.active
+                                   if r.phase == Phase.DECODE and r.num_draft_tokens and not r.drafts])
         rows = [r for r in self.active if r.phase in (Phase.PREFILL, Phase.DECODE)]
         if rows:
             engine += self._target(rows, new_tokens)
@@ -221,7 +222,7 @@ class Scheduler:
                 break
             self.waiting.pop(0)
             request.target = SequenceCache(self.cfg, self.groups["target"], request.capacity, self.dtype)
-            if request.num_drafts:                  # a request that does not draft needs no draft cache
+            if request.num_draft_tokens:            # a request that does not draft needs no draft cache
                 request.draft = SequenceCache(self.cfg, self.groups["draft"], request.capacity + self.mtp, self.dtype)
             request.phase = Phase.PREFILL
             self.active.append(request)
@@ -248,11 +249,11 @@ class Scheduler:
         return self._run(self.draft_session, feeds)
 
     def _deltas(self, out: dict[str, np.ndarray], part: str, b: int) -> dict[tuple[int, str], np.ndarray]:
-        return {(g.layer, g.name): out[f"new.{g.layer}.{g.name}"][b] for g in self.groups[part]}
+        return {(g.layer, g.name): out[g.new][b] for g in self.groups[part]}
 
     def _draft(self, requests: list[Request]) -> float:
         """DRAFT-EXTEND over the newly committed positions, then recursive DRAFT steps: d1..dk per request, k its
-        own num_drafts (a request leaves the recursive calls once it has its k drafts)."""
+        own num_draft_tokens (a request leaves the recursive calls once it has its k drafts)."""
         if not requests:
             return 0.0
         hidden = {r.id: np.concatenate(r.pending_hidden) for r in requests}
@@ -271,8 +272,8 @@ class Scheduler:
                     last_h[r.id] = out["next_hidden"][b, n - 1: n]
         for r in requests:
             r.pending_hidden = []
-        for depth in range(1, max(r.num_drafts for r in requests)):
-            deeper = [r for r in requests if r.num_drafts > depth]
+        for depth in range(1, max(r.num_draft_tokens for r in requests)):
+            deeper = [r for r in requests if r.num_draft_tokens > depth]
             out, t = self._draft_call(deeper, [last_h[r.id] for r in deeper], [[r.drafts[-1]] for r in deeper])
             engine += t
             for b, r in enumerate(deeper):
@@ -314,7 +315,7 @@ class Scheduler:
             logits, hidden = out["logits"][b, : len(x)], out["hidden"][b, : len(x)]
             if r.phase == Phase.PREFILL:
                 r.target.commit(deltas, len(x))
-                if r.num_drafts:                                # the draft layer reads these streams
+                if r.num_draft_tokens:                          # the draft layer reads these streams
                     r.pending_hidden.append(hidden)
                 if r.target.length == len(r.prompt):
                     r.phase = Phase.DECODE
@@ -331,7 +332,7 @@ class Scheduler:
             if drafts:
                 r.metrics.record_verify(len(drafts), accepted)
             r.target.commit(deltas, accepted + 1)
-            if r.num_drafts:
+            if r.num_draft_tokens:
                 r.pending_hidden.append(hidden[: accepted + 1])
             r.drafts, r.draft_probs = [], []
             self._emit(r, drafts[:accepted] + [token], new_tokens)
@@ -355,9 +356,11 @@ class Scheduler:
             if len(r.tokens) - len(r.prompt) >= r.params.max_new_tokens or len(r.tokens) >= self.max_seq_len:
                 self._finish(r, "length")
                 return
-            if r.stop_check is not None and r.stop_check(token):
-                self._finish(r, "stop")
-                return
+            if r.stop_text is not None:
+                r.stop_text.add([token])
+                if r.stop_text.stopped:
+                    self._finish(r, "stop")
+                    return
 
     def _finish(self, r: Request, reason: str) -> None:
         r.phase, r.finish_reason = Phase.FINISHED, reason

@@ -75,7 +75,10 @@ def test_quantized_checkpoint_engine_equals_the_model(tiny_checkpoint, tmp_path,
     fp8 = refs["model.layers.0.attn.wq_a.weight.fp8"]
     assert fp8["location"].startswith("weights/model-"), "FP8 bytes stay in the checkpoint file"
     assert manifest.build["weights"]["fp8 in place + dequantize"] > 0
-    assert (manifest.build["weights"]["converted"] > 0) == (quantize == "mxfp4")
+    assert manifest.build["weights"]["converted"] == 0, "no copy of any weight, MXFP4 experts included"
+    assert (manifest.build["weights"]["fp4 in place + int8 codes"] > 0) == (quantize == "mxfp4")
+    ops = {n.op_type for n in onnx.load(tmp_path / "e" / "target.onnx", load_external_data=False).graph.node}
+    assert ("QMoE" if quantize == "mxfp4" else "MoE") in ops and "RoutedExperts" not in ops
     model = load_model(checkpoint, mtp=False)
     state = ModelState(model.cfg, 1)
     ids = torch.randint(0, model.cfg.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
@@ -157,12 +160,12 @@ def test_bf16_engine_keeps_bf16_weights_in_place_without_casts(bf16_engine, tmp_
     checkpoint, _, _ = bf16_engine
     manifest = build(BuildOptions(checkpoint=checkpoint, output=tmp_path / "e", mtp=1, dtype="bf16", progress=False))
     assert manifest.build["weights"]["in place + cast"] == 0 and manifest.build["weights"]["in place"] > 0
-    assert manifest.caches["target"][0]["value_bytes"] == 2
+    assert manifest.caches["target"].groups[0].value_bytes == 2
     graph = onnx.load(tmp_path / "e" / "target.onnx", load_external_data=False)
     assert graph.graph.input[0].name == "input_ids"
     assert {i.type.tensor_type.elem_type for i in graph.graph.input[2:]} == {onnx.TensorProto.BFLOAT16}
-    if "not_loaded" in manifest.build["compile"]:
-        assert "bfloat16" in manifest.build["compile"]["not_loaded"]
+    if manifest.compiled.not_loaded is not None:
+        assert "bfloat16" in manifest.compiled.not_loaded
 
 
 def test_fp16_engine_matches_the_fp32_model_within_fp16_rounding(bf16_engine, tmp_path):

@@ -1,7 +1,7 @@
 """Specification of the DeepSeek-V4 checkpoint reader (builder/checkpoint.py).
 
 Dequantization is checked against an independent numpy decoder written here from the
-format facts (V4_MODEL.md §9.1, §9.2), bit by bit, never through the code under test.
+format facts (docs/model.md §9.1, §9.2), bit by bit, never through the code under test.
 """
 
 import json

@@ -55,7 +55,7 @@ def test_manifest_describes_the_graphs(engine):
     _, manifest, sessions = engine
     assert manifest.mtp == MTP and set(manifest.graphs) == {"target", "draft"}
     assert [s.name for s in manifest.graphs["target"].inputs][:2] == ["input_ids", "positions"]
-    assert manifest.caches["draft"][0]["rows_fixed"] == manifest.model.sliding_window - 1 + MTP + 1
+    assert manifest.caches["draft"].groups[0].rows_fixed == manifest.model.sliding_window - 1 + MTP + 1
 
 
 def test_prefill_then_verify_steps_in_batches_of_one_and_three(engine):

@@ -22,6 +22,7 @@ from v4engine.builder.tiny import TINY_CONFIGS
 from v4engine.runtime.config import V4Config
 from v4engine.runtime.engine import EngineFormatError, EngineManifest
 from v4engine.runtime.errors import ConfigError
+from v4engine.runtime.layout import CacheLayout
 
 LIMIT = 1 << 30
 BUDGET = settings(max_examples=150, deadline=None, derandomize=True,
@@ -93,7 +94,7 @@ def test_config_json(config, path, value):
     raw = mutate(TINY_CONFIGS[config], path, value)
     cfg = bounded(V4Config.from_dict, raw)
     if isinstance(cfg, V4Config):
-        bounded(cfg.cache_groups, False, 3)
+        bounded(CacheLayout, cfg, False, 3)
 
 
 # ---------------------------------------------------------------------- engine.json

@@ -1,147 +1,118 @@
-"""scripts/gpu_check.py works before a GPU sees it: its dry run passes through gpu_check.sh's import shim, its AOT
-plumbing (plans, partials buffer, TensorRT's argument packing) agrees with the catalog and the PTX, and its
-judgements fail wrong results.
+"""scripts/gpu_check.sh and its driver work before a GPU sees them.
 
-The GPU machine is lent for minutes at a time, so whatever can go wrong on the CPU is caught here: the dry run
-executes part (a) at the tiny size in Triton's interpreter; (b) runs with a JIT launch standing in for cupy.
+The GPU machine is lent for minutes at a time, so whatever can go wrong on the CPU is caught here: the install there
+(a copy of the working tree, a Python with v4engine's dependencies but not v4engine, no network), the gpu tests
+collected from that install, the driver's AOT plumbing up to the launch (the catalog's plans from model-shaped
+inputs, TensorRT's arguments against the PTX compiled for sm90), its bandwidth floor, and its table of the tests'
+verdicts. The tests themselves (tests/test_gpu_kernels.py, tests/test_gpu_tensorrt.py) run here too where they can.
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import sysconfig
+import venv
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
-import torch
-
 pytest.importorskip("triton")
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import gpu_check  # noqa: E402
 from v4engine.plugins.kernels import catalog  # noqa: E402
-from v4engine.plugins.kernels.launch import launch  # noqa: E402
+from v4engine.plugins.kernels.numerics import OPS, Draw, make_inputs, query_positions  # noqa: E402
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+ROOT = Path(__file__).resolve().parent.parent
+DRIVER = ROOT / "scripts" / "gpu_check.py"
 TINY = catalog.SIZES["tiny"]
+# the GPU check compiles kernels: never under the interpreter that conftest.py sets without a GPU
+ENV = {name: value for name, value in os.environ.items() if name not in ("TRITON_INTERPRET", "PYTHONPATH")}
 
 
-def tiny_inputs(op: str, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Inputs at the catalog's own tiny B and S, as check_aot builds them."""
-    draw = gpu_check.Draw(DEVICE, seed)
-    return gpu_check.make_inputs(op, TINY, gpu_check.query_positions(TINY, TINY.B, TINY.S, draw), draw)
+def working_tree_copy(to: Path) -> Path:
+    """What the GPU machine receives: tracked files and untracked ones git does not ignore."""
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                           check=True, capture_output=True, text=True).stdout.split("\0")
+    for name in filter(None, files):
+        if (ROOT / name).is_file():
+            (to / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, to / name)
+    return to
 
 
-def test_dry_run_through_the_shell_script_imports_v4engine_from_the_shim(tmp_path):
-    """gpu_check.sh links the checkout's parts under a temporary v4engine/ (no install), and the dry run of (a)
-    passes for every op, with and without key splits (--quick: decode only; the AOT test below runs the
-    catalog's 3-query chunks)."""
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"} | dict(
-        PYTHON=sys.executable, OUT=str(tmp_path / "out"))
-    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--cpu-dry-run", "--quick"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+def python_without_v4engine(env: Path) -> Path:
+    """A fresh venv that sees this environment's packages (torch, triton, pip, setuptools) through a .pth line but
+    not v4engine, whose editable install hook is itself a .pth file, not run from there: like the GPU machine."""
+    venv.create(env, with_pip=False)
+    python = env / "bin" / "python"
+    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    (Path(site) / "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    probe = subprocess.run([python, "-c", "import v4engine.plugins"], capture_output=True, text=True)
+    assert probe.returncode != 0 and "No module named 'v4engine" in probe.stderr, probe.stderr
+    return python
+
+
+def test_dry_run_installs_v4engine_offline_collects_the_gpu_tests_and_checks_up_to_the_launch(tmp_path):
+    repo = working_tree_copy(tmp_path / "repo")
+    python = python_without_v4engine(tmp_path / "env")
+    done = subprocess.run(["bash", str(repo / "scripts" / "gpu_check.sh"), "--dry-run"], cwd=tmp_path,
+                          env=ENV | dict(PYTHON=str(python), OUT=str(tmp_path / "out")),
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for test in ("test_gpu_kernels.py::test_kernel_matches_its_reference[v4-flash-prefill-B2-S64-csa_attention-split8]",
+                 "test_gpu_tensorrt.py::test_tensorrt_engines_compute_what_onnxruntime_computes[mxfp4]"):
+        assert test in done.stdout, "collected from the install"
     details = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     plugins = details["environment"]["v4engine_plugins"]
-    assert plugins.endswith("/v4engine/plugins") and not plugins.startswith(str(ROOT))
+    assert plugins.endswith("/v4engine/plugins") and not plugins.startswith((str(repo), str(ROOT))), "installed"
+
     rows = details["rows"]
-    assert rows and all(row["ok"] for row in rows)
-    splits = [f"{op}_split{TINY.splits}" for op in gpu_check.ATTENTION]
-    assert {row["op"] for row in rows} == set(gpu_check.OPS) | set(splits)
-    assert {row["case"] for row in rows} == {"decode B=3 S=1", "decode B=3 S=1 exact"}
-    assert "checks passed" in done.stdout and "| max err |" in (tmp_path / "out" / "gpu_check.md").read_text()
+    aot = {row["case"]: row for row in rows if row["check"] == "aot"}
+    assert set(aot) == {f"tiny {name} B={TINY.B} S={TINY.S}" for name in catalog.plans("tiny")}
+    assert all(row["ok"] and "not launched" in row["note"] for row in aot.values()), aot
+    floor = {row["case"].split()[1]: row["bytes"] for row in rows if row["check"] == "time"}
+    assert set(floor) == set(OPS)
+    draw = Draw("cpu")
+    inputs = make_inputs("csa_attention", TINY, query_positions(TINY, TINY.B, 1, draw), draw)
+    q, rows = inputs["q"], inputs["rows"]
+    everything = sum(t.numel() * t.element_size() for t in inputs.values()) + q.numel() * q.element_size()  # + out
+    B, R, d = rows.shape
+    assert floor["csa_attention"] == everything - (R - min(TINY.topk, R)) * B * d * rows.element_size(), \
+        "of CSA's rows, only the picked ones count"
 
 
-@pytest.mark.parametrize("name", list(catalog.plans("tiny")))
-def test_aot_check_with_a_jit_launch_standing_in_for_cupy(name):
-    """aot_row builds the catalog's very plans from its inputs, allocates the split partials as the launcher does,
-    and the result matches the reference (here both launches are JIT, so they agree bitwise)."""
-    op, _, splits = name.partition("_split")
-    row = gpu_check.Row("aot", name, "tiny", "catalog")
-    gpu_check.aot_row(row, op, TINY, tiny_inputs(op), int(splits or 1), catalog.plans("tiny")[name],
-                      SimpleNamespace(launch=launch))
-    assert row.ok, row
-    assert "bitwise equal" in row.note
+def test_the_table_carries_the_tests_verdicts_and_a_failed_test_fails_the_check(tmp_path):
+    """pytest's JUnit XML as gpu_check.sh asks for it: a pass with its error and limit, a failure, a skip."""
+    (tmp_path / "test_gpu_sample.py").write_text(
+        "import pytest\n\n"
+        "def test_close(record_property):\n"
+        "    record_property('error', 2e-5)\n"
+        "    record_property('limit', 1e-4)\n\n"
+        "@pytest.mark.parametrize('case', ['far-off'])\n"
+        "def test_kernel(case):\n"
+        "    assert False, 'error 5.0e-01 (limit 1e-04)'\n\n"
+        "def test_needs_tensorrt():\n"
+        "    pytest.skip('TensorRT is not importable')\n")
+    subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-o", "junit_family=xunit1",
+                    "--junitxml", "tests.xml", "test_gpu_sample.py"], cwd=tmp_path, env=ENV, capture_output=True)
+    done = subprocess.run([sys.executable, str(DRIVER), "--dry-run", "--tests", str(tmp_path / "tests.xml"), "--out",
+                           str(tmp_path / "out")], env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = {row["case"]: row for row in json.loads((tmp_path / "out" / "gpu_check.json").read_text())["rows"]
+            if row["check"] == "sample"}
+    close = rows["test_close"]
+    assert (close["ok"], close["error"], close["limit"]) == (True, 2e-5, 1e-4)
+    assert rows["far-off"]["ok"] is False and "error 5.0e-01" in rows["far-off"]["note"]
+    assert rows["test_needs_tensorrt"]["ok"] is None and "TensorRT" in rows["test_needs_tensorrt"]["note"]
+    assert "FAIL" in (tmp_path / "out" / "gpu_check.md").read_text()
 
 
-def test_kernel_arguments_are_tensorrts_then_poisoned_scratch():
-    plan = catalog.plans("tiny")["hca_attention"][0]
-    inputs = tiny_inputs("hca_attention")
-    args = [inputs[name] for name in plan.inputs]
-    out = torch.empty_like(inputs["q"])
-    values = gpu_check.kernel_arguments(plan, args, [out])
-    assert [int(v[0]) for v in values] == ([t.data_ptr() for t in args] + [int(v) for v in plan.scalars.values()]
-                                           + [out.data_ptr()] + [gpu_check.SCRATCH_POISON] * gpu_check.HIDDEN_PARAMS)
-    assert gpu_check.argument_types(values) == ["u64"] * 7 + ["u32"] * 4 + ["u64"] * 3
+def test_checks_not_started_before_the_time_limit_leave_the_run_incomplete(tmp_path):
+    done = subprocess.run([sys.executable, str(DRIVER), "--dry-run", "--time-limit", "0", "--out", str(tmp_path)],
+                          env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "incomplete" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+    details = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert details["rows"] == [] and len(details["skipped"]) == len(catalog.plans("tiny")) + len(OPS)
 
-
-def test_argument_packing_matches_every_catalog_ptx_entry():
-    """Compiled for sm90 (in a process without the interpreter, which cannot compile), every tiny catalog kernel's
-    `.entry` takes exactly the types kernel_arguments packs, in the same order (the types depend on the plan
-    function only, not on the size)."""
-    script = f"""
-import sys, torch
-sys.path.insert(0, {str(ROOT / "scripts")!r})
-import gpu_check as gc
-from v4engine.plugins.kernels import catalog
-from v4engine.plugins.kernels.launch import compile_plan
-t = torch.zeros(16)
-for name, plans in catalog.plans("tiny").items():
-    for plan in plans:
-        values = gc.kernel_arguments(plan, [t] * len(plan.inputs), [t] * len(plan.outputs))
-        ptx = compile_plan(plan, "sm90").asm["ptx"]
-        assert gc.entry_types(ptx) == gc.argument_types(values), (name, gc.entry_types(ptx))
-print("ok")
-"""
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
-    assert done.stdout.strip() == "ok", done.stderr[-3000:]
-
-
-def test_bandwidth_floor_counts_only_the_picked_csa_rows():
-    inputs = tiny_inputs("csa_attention")
-    out = torch.empty_like(inputs["q"])
-    everything = sum(t.numel() * t.element_size() for t in (*inputs.values(), out))
-    B, R, d = inputs["rows"].shape
-    picked = min(TINY.S * TINY.topk, R)
-    assert gpu_check.floor_bytes("csa_attention", inputs, out) == everything - (R - picked) * B * d * 4
-    hca = tiny_inputs("hca_attention")
-    assert gpu_check.floor_bytes("hca_attention", hca, out) == sum(
-        t.numel() * t.element_size() for t in (*hca.values(), out))
-
-
-def test_wrong_results_fail():
-    """An attention output off by more than the tolerance, and an indexer pick swapped for a worse row, fail."""
-    inputs = tiny_inputs("sliding_attention")
-    attrs = gpu_check.op_attrs("sliding_attention", TINY)
-    want = gpu_check.attention_ref.sliding_attention(*inputs.values(), **attrs)
-    row = gpu_check.Row("numerics", "sliding_attention", "tiny", "-")
-    gpu_check.judge("sliding_attention", row, want + 1e-3, want, inputs, attrs)
-    assert row.ok is False and row.error == pytest.approx(1e-3, rel=1e-3)
-
-    inputs = tiny_inputs("indexer_topk", seed=1)
-    attrs = gpu_check.op_attrs("indexer_topk", TINY)
-    want = gpu_check.indexer_ref.indexer_topk(*inputs.values(), **attrs)
-    row = gpu_check.Row("numerics", "indexer_topk", "tiny", "-")
-    gpu_check.judge("indexer_topk", row, want, want, inputs, attrs)
-    assert row.ok and row.error == 0
-    b, s = (want[..., 1] >= 0).nonzero()[0].tolist()          # a query with at least two picks
-    worse = want.clone()
-    worse[b, s, 0] = want[b, s, 1]                            # the second best twice, and the best lost
-    gpu_check.judge("indexer_topk", row, worse, want, inputs, attrs)
-    assert row.ok is False and "picked twice" in row.note
-
-
-def test_exit_status(tmp_path):
-    report = gpu_check.Report(tmp_path, deadline=float("inf"))
-    report.run(gpu_check.Row("time", "op", "size", "case"), lambda row: None)
-    assert report.exit_status(interrupted=False) == 0 and report.exit_status(interrupted=True) == 2
-    report.run(gpu_check.Row("numerics", "op", "size", "case"), lambda row: 1 / 0)
-    assert report.exit_status(interrupted=False) == 1 and "ZeroDivisionError" in report.rows[-1].note
-    late = gpu_check.Report(tmp_path, deadline=0.0)
-    late.run(gpu_check.Row("numerics", "op", "size", "case"), lambda row: None)
-    assert late.rows == [] and late.skipped and late.exit_status(interrupted=False) == 2

@@ -9,21 +9,23 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import re
-import sys
+import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import onnx
 import pytest
 from onnx import TensorProto, helper
 
+from v4engine.builder.backends.compare import compare_with_onnxruntime
 from v4engine.builder.backends.migraphx import MIGraphXCheckError, allowlist, check, offenders
 from v4engine.builder.build import BuildOptions, build
+from v4engine.runtime.backends import Program
 from v4engine.runtime.engine import EngineManifest
 from v4engine.runtime.generator import Generator
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-import gpu_check  # noqa: E402
+from v4engine.runtime.sessions import open_session
 
 pytestmark = pytest.mark.xdist_group("migraphx_backend")
 
@@ -47,7 +49,7 @@ def test_variant_runs_on_onnxruntime_and_equals_the_portable_engine(engines):
     from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
 
     migraphx, portable = engines
-    same, verdict = gpu_check.compare_with_onnxruntime(
+    same, verdict = compare_with_onnxruntime(
         EngineManifest.read(migraphx), portable,
         lambda name: OnnxrtRunner(SessionFromOnnx(str(migraphx / f"{name}.onnx"))), atol=1e-4)
     assert same, verdict
@@ -64,8 +66,9 @@ def test_variant_is_what_migraphx_parses(engines):
         assert {n.op_type for n in model.graph.node} <= set(allowlist()["ops"])
         assert not {"SplitToSequence", "SequenceAt", "DequantizeLinear"} & {n.op_type for n in model.graph.node}
     assert manifest.build["weights"]["fp8 in place + dequantize"] == 0 and manifest.build["weights"]["converted"] > 0
-    assert manifest.build["compile"]["allowlist"]["migraphx"] == allowlist()["migraphx_version"]
-    assert [p["name"] for p in manifest.build["compile"]["profiles"]["draft"]] == ["extend", "step"]
+    assert manifest.compiled.allowlist["migraphx"] == allowlist()["migraphx_version"]
+    assert [p.name for p in manifest.compiled.profiles["draft"]] == ["extend", "step"]
+    assert manifest.compiled.variant["draft"].opset == 19
 
 
 def test_allowlist_names_the_migraphx_sources_it_was_read_from():
@@ -102,7 +105,26 @@ def test_without_migraphx_the_engine_carries_its_compile_script_and_does_not_ope
     manifest = EngineManifest.read(migraphx)
     script = migraphx / "compile_migraphx.sh"
     assert script.stat().st_mode & 0o111 and "v4engine.builder.backends.migraphx" in script.read_text()
-    assert manifest.build["compile"]["programs"] is None
+    assert manifest.compiled.programs is None
     with pytest.raises(Exception, match="MIGraphX") as failure:
         Generator.from_engine_dir(migraphx)
     assert "\n" not in str(failure.value)
+
+
+def test_the_session_loads_one_program_per_profile_in_their_order(engines, tmp_path, monkeypatch):
+    """MIGraphX's module stood in for: a graph's session loads the programs engine.json's compile record names for
+    it, one per optimization profile, in the profiles' order, each checked by the engine folder first."""
+    from v4engine.runtime.sessions import migraphx as session_module
+
+    engine = Path(shutil.copytree(engines[0], tmp_path / "engine", symlinks=True))
+    manifest = EngineManifest.read(engine)
+    programs = {graph: tuple(Program(p.name, f"{graph}.{p.name}.mxr") for p in profiles)
+                for graph, profiles in manifest.compiled.profiles.items()}
+    for program in (p for graph_programs in programs.values() for p in graph_programs):
+        (engine / program.file).write_bytes(b"program")
+    manifest.compiled = dataclasses.replace(manifest.compiled, migraphx="stand-in", programs=programs)
+    manifest.write(engine)
+    loaded = []
+    monkeypatch.setattr(session_module, "_migraphx", lambda: SimpleNamespace(load=loaded.append))
+    open_session(engine, EngineManifest.read(engine), "draft")
+    assert [Path(path).name for path in loaded] == ["draft.extend.mxr", "draft.step.mxr"]

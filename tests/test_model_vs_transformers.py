@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oracle import load_transformers, transformers_logits
+from v4engine.builder.oracle import load_transformers, transformers_logits
 from v4engine.builder.load import load_model
 from v4engine.builder.model import ModelState
 from v4engine.runtime.config import CSA, HCA

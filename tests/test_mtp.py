@@ -1,4 +1,4 @@
-"""The MTP layer's incremental path equals a plain full-sequence evaluation of its definition (V4_MODEL.md §4).
+"""The MTP layer's incremental path equals a plain full-sequence evaluation of its definition (docs/model.md §4).
 
 Row i pairs the target's pre-head streams H_i (of token t_i) with emb(t_{i+1}) at position i and predicts
 t_{i+2}; drafts beyond the prompt recurse on the MTP's own output streams and its own previous draft.

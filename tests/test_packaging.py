@@ -23,7 +23,8 @@ def test_built_wheel_imports_in_a_fresh_venv(tmp_path):
                                      check=True, capture_output=True, text=True).stdout.strip())
     (fresh_site / "zz_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     probe = ("import v4engine.builder, v4engine.plugins, v4engine.runtime, sys; "
-             "from v4engine.runtime import V4Config; print(v4engine.runtime.__file__)")
+             "from v4engine.runtime import Generator, GenerationResult, SamplingParams, V4Config; "
+             "print(v4engine.runtime.__file__)")
     out = subprocess.run([python, "-c", probe], check=True, capture_output=True, text=True, cwd=tmp_path, timeout=60)
     assert str(tmp_path / "env") in out.stdout
 

@@ -7,13 +7,12 @@ from collections import Counter
 import pytest
 from safetensors import safe_open
 
-from v4engine.builder.checkpoint import Checkpoint
 from v4engine.builder.load import open_checkpoint
 from v4engine.builder.release import RELEASES, release_tensors, write_release_checkpoint
 
 
 def test_flash_layout_matches_the_release_census():
-    """V4_MODEL.md §9: 69,187 tensors; 33,792 I8 MXFP4 experts (44 blocks x 256 x 3); 1,575 mtp.0.* tensors;
+    """docs/model.md §9: 69,187 tensors; 33,792 I8 MXFP4 experts (44 blocks x 256 x 3); 1,575 mtp.0.* tensors;
     3 I64 hash tables [129280, 6]; FP8 128x128 block scales; MXFP4 scales one per 32 inputs."""
     tensors = release_tensors(RELEASES["v4-flash"][0])
     dtypes = Counter(dtype for dtype, _ in tensors.values())

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oracle import load_transformers, oracle_accepted_counts, oracle_greedy
+from v4engine.builder.oracle import load_transformers, oracle_accepted_counts, oracle_greedy
 from v4engine.builder.load import load_model
 from v4engine.builder.tiny import TINY_CONFIGS
 from v4engine.runtime.generator import Generator

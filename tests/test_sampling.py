@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 import torch
 
 from v4engine.builder.load import load_model
@@ -68,3 +69,20 @@ def test_first_two_sampled_tokens_follow_the_target_joint_distribution(tiny_engi
         stat += (other - rest * N) ** 2 / (rest * N)
         cells.append(None)
     assert stat < chi2_critical(len(cells) - 1), f"chi-square {stat:.1f} over {len(cells)} cells"
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 0.9), (0.7, 0, 0.5), (1.3, 20, 0.95), (1.0, 5, 0.3),
+                                                       (0.5, 0, 0.999), (1.0, 0, 1e-6)])
+def test_temperature_top_k_and_top_p_shape_the_distribution_as_transformers_does(temperature, top_k, top_p):
+    """The oracle: transformers' own logits warpers, applied in the same order (temperature, top-k, top-p)."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    logits = np.random.default_rng(7).normal(0, 3, size=(16, 512))
+    scores = torch.from_numpy(logits)
+    warpers = [TemperatureLogitsWarper(temperature)] + ([TopKLogitsWarper(top_k)] if top_k else [])
+    for warp in warpers + [TopPLogitsWarper(top_p)]:
+        scores = warp(None, scores)
+    want = torch.softmax(scores, dim=-1).numpy()
+    got = distribution(logits, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p))
+    assert np.array_equal(got > 0, want > 0), "the same tokens are kept"
+    assert np.abs(got - want).max() < 1e-12

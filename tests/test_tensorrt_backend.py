@@ -11,7 +11,9 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,19 +25,20 @@ import pytest
 import torch
 from onnx.reference import ReferenceEvaluator
 
+from v4engine.builder.backends.compare import compare_with_onnxruntime
 from v4engine.builder.backends.profiles import profiles
 from v4engine.builder.backends.tensorrt import build_plan, mark_aot
 from v4engine.builder.build import BuildOptions, build
 from v4engine.builder.checkpoint import Checkpoint
 from v4engine.plugins import DOMAIN, PLUGIN_OPS
+from v4engine.runtime.backends import BuiltPlan
+from v4engine.runtime.engine_folder import EngineFormatError
 from v4engine.runtime.sampling import RequestError
 from v4engine.runtime.generator import Generator
 from v4engine.runtime.sampling import SamplingParams
 from v4engine.runtime.engine import EngineManifest
 from v4engine.runtime.profiles import Profile, ProfileError, choose_profile
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-import gpu_check  # noqa: E402
+from v4engine.runtime.sessions import open_session
 
 pytestmark = pytest.mark.xdist_group("tensorrt_backend")
 
@@ -78,8 +81,8 @@ def test_every_plugin_node_asks_for_its_aot_kernel(prepared):
             assert (a["aot"], a["plugin_namespace"], a["plugin_version"]) == (1, b"v4", b"1"), node.name
         declared = {f.name: list(f.attribute) for f in model.functions if f.domain == DOMAIN}
         assert all("aot" in declared[op] for op in {n.op_type for n in plugin})
-        assert manifest.build["compile"]["plugin_nodes"][graph] == len(plugin)
-    assert not list(engine.glob("*.plan")) and manifest.build["compile"]["plans"] is None
+        assert manifest.compiled.plugin_nodes[graph] == len(plugin)
+    assert not list(engine.glob("*.plan")) and manifest.compiled.plans is None
 
 
 def test_fp8_weights_stay_fp8_in_place_behind_blocked_dequantize(prepared):
@@ -154,13 +157,14 @@ def test_fp4_in_place_dequantizes_to_the_checkpoint_values(prepared):
 
 
 def test_prepared_graphs_compute_what_the_onnxruntime_engine_computes(prepared, tmp_path):
-    """The comparison gpu_check.py (d) makes for TensorRT engines, with ONNX Runtime running the prepared graphs."""
+    """The comparison the GPU check makes for TensorRT engines (test_gpu_tensorrt.py), with ONNX Runtime running the
+    prepared graphs."""
     from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
 
     checkpoint, engine = prepared("fp8")
     reference = tmp_path / "ort"
     build(BuildOptions(checkpoint=checkpoint, output=reference, mtp=2, max_batch=4, max_seq_len=256, progress=False))
-    same, verdict = gpu_check.compare_with_onnxruntime(
+    same, verdict = compare_with_onnxruntime(
         EngineManifest.read(engine), reference,
         lambda graph: OnnxrtRunner(SessionFromOnnx(str(engine / f"{graph}.onnx"))), atol=1e-5)
     assert same, verdict
@@ -281,7 +285,7 @@ def test_engine_build_sets_every_profile_flag_and_the_timing_cache(prepared, tmp
     manifest = EngineManifest.read(engine)
     draft = onnx.load(str(engine / "draft.onnx"), load_external_data=False)
     before = draft.SerializeToString()
-    assert mark_aot(draft) == manifest.build["compile"]["plugin_nodes"]["draft"]
+    assert mark_aot(draft) == manifest.compiled.plugin_nodes["draft"]
     assert draft.SerializeToString() == before
     trt = FakeTensorRT()
     replaced = tmp_path / "timing.replaced"
@@ -299,7 +303,7 @@ def test_engine_build_sets_every_profile_flag_and_the_timing_cache(prepared, tmp
     dynamic = {s.name for s in manifest.graphs["draft"].inputs if not all(isinstance(d, int) for d in s.shape)}
     assert all(set(p) == dynamic for p in set_profiles), "every dynamic input, in every profile"
     assert ("build", 2) in trt.calls and (tmp_path / "draft.plan").read_bytes() == b"plan-bytes"
-    assert result["plan"] == "draft.plan"
+    assert result.plan == "draft.plan" and result.bytes == len(b"plan-bytes")
 
 
 def test_without_tensorrt_a_full_build_fails_at_once(tiny_checkpoint, tmp_path):
@@ -325,3 +329,39 @@ def test_a_prepared_engine_does_not_open_without_tensorrt(prepared):
         Generator.from_engine_dir(engine)
     assert "\n" not in str(failure.value)
     assert json.loads((engine / "engine.json").read_text())["backend"] == "tensorrt"
+
+
+def test_the_session_loads_the_plan_its_compile_record_names(prepared, tmp_path, monkeypatch):
+    """TensorRT and a CUDA build of torch stood in for: a graph's session deserializes the plan engine.json's compile
+    record names for it, read through the engine folder; a plan outside the folder is refused in one line."""
+    from v4engine.runtime.sessions import tensorrt as session_module
+
+    engine = Path(shutil.copytree(prepared("fp8")[1], tmp_path / "engine", symlinks=True))
+    manifest = EngineManifest.read(engine)
+    for graph in manifest.graphs:
+        (engine / f"{graph}.plan").write_bytes(f"plan of {graph}".encode())
+    manifest.compiled = dataclasses.replace(manifest.compiled, tensorrt="stand-in", plans={
+        graph: BuiltPlan(f"{graph}.plan", 12, 0.0) for graph in manifest.graphs})
+    manifest.write(engine)
+    loaded = []
+
+    class Runtime:
+        def __init__(self, logger):
+            pass
+
+        def deserialize_cuda_engine(self, data):
+            loaded.append(data)
+            return SimpleNamespace(create_execution_context=lambda: None)
+
+    trt = SimpleNamespace(Logger=type("Logger", (), {"WARNING": 2, "__init__": lambda self, level: None}),
+                          Runtime=Runtime)
+    cuda_torch = SimpleNamespace(device=lambda kind, index: (kind, index), cuda=SimpleNamespace(Stream=lambda d: None))
+    monkeypatch.setattr(session_module, "_import_tensorrt", lambda: (trt, cuda_torch))
+    open_session(engine, EngineManifest.read(engine), "draft")
+    assert loaded == [b"plan of draft"]
+    (tmp_path / "outside.plan").write_bytes(b"not ours")
+    manifest.compiled.plans["draft"] = BuiltPlan("../outside.plan", 8, 0.0)
+    manifest.write(engine)
+    with pytest.raises(EngineFormatError, match=r"build\.compile\.plans\.draft\.plan") as failure:
+        open_session(engine, EngineManifest.read(engine), "draft")
+    assert "\n" not in str(failure.value) and loaded == [b"plan of draft"]

@@ -8,7 +8,7 @@ index_topk (16), so the ring, the compressors and the indexer all take part.
 from __future__ import annotations
 
 from conftest import TRAINED as CHECKPOINT
-from oracle import load_transformers, oracle_accepted_counts, oracle_greedy, transformers_copy
+from v4engine.builder.oracle import load_transformers, oracle_accepted_counts, oracle_greedy, transformers_copy
 from v4engine.builder.checkpoint import Checkpoint
 from v4engine.builder.load import load_model
 from v4engine.runtime.generator import Generator

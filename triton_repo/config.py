@@ -1,6 +1,6 @@
 """The repository's tensor contract and the config.pbtxt of each model, generated from it.
 
-Four models, one flow (DESIGN.md):
+Four models, one flow (docs/architecture.md §1, docs/backends.md §7):
 
     text_input | input_ids, stop, max_tokens ──► preprocessing ──► prompt_ids, stop_words
     prompt_ids, stop_words, max_tokens, sampling ──► v4_generate (decoupled) ──► ids of each step, metrics
@@ -17,6 +17,9 @@ requests in flight.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
 
 
 @dataclass(frozen=True)
@@ -108,41 +111,28 @@ def ensemble_map(step: Model) -> tuple[dict[str, str], dict[str, str]]:
     return inputs, outputs
 
 
-# ---------------------------------------------------------------------- config.pbtxt text
-def quote(value: str) -> str:
-    """A protobuf text-format string literal."""
-    if any(ord(c) < 32 for c in value):
-        raise ValueError(f"{value!r} holds a control character")
-    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+# ---------------------------------------------------------------------- config.pbtxt
+def _inputs(items: tuple[Tensor, ...]) -> list[mc.ModelInput]:
+    return [mc.ModelInput(name=t.name, data_type=mc.DataType.Value(f"TYPE_{t.dtype}"), dims=t.dims,
+                          optional=t.optional) for t in items]
 
 
-def tensors(kind: str, items: tuple[Tensor, ...]) -> str:
-    rows = []
-    for t in items:
-        optional = " optional: true" if t.optional else ""
-        rows.append(f'  {{ name: "{t.name}" data_type: TYPE_{t.dtype} dims: [ {", ".join(map(str, t.dims))} ]'
-                    f"{optional} }}")
-    return f"{kind} [\n" + ",\n".join(rows) + "\n]\n"
+def _outputs(items: tuple[Tensor, ...]) -> list[mc.ModelOutput]:
+    return [mc.ModelOutput(name=t.name, data_type=mc.DataType.Value(f"TYPE_{t.dtype}"), dims=t.dims) for t in items]
 
 
-def parameters(values: dict[str, object]) -> str:
-    return "".join(f"parameters {{ key: {quote(k)} value: {{ string_value: {quote(str(v))} }} }}\n"
-                   for k, v in values.items())
-
-
-def python_model(model: Model, options: Options) -> str:
-    """config.pbtxt of one Python-backend step."""
+def python_model(model: Model, options: Options) -> mc.ModelConfig:
+    """The config of one Python-backend step."""
     generate = model is V4_GENERATE
-    kind = "KIND_GPU" if generate and options.gpu else "KIND_CPU"
-    count = options.instance_count if generate else 1
-    text = (f"# {model.doc}\n" f'name: "{model.name}"\nbackend: "python"\nmax_batch_size: 0\n'
-            + ("model_transaction_policy { decoupled: true }\n" if model.decoupled else "")
-            + tensors("input", model.inputs) + tensors("output", model.outputs)
-            + f"instance_group [ {{ count: {count} kind: {kind} }} ]\n")
+    config = mc.ModelConfig(name=model.name, backend="python", max_batch_size=0,
+                            input=_inputs(model.inputs), output=_outputs(model.outputs))
+    config.model_transaction_policy.decoupled = model.decoupled
+    kind = mc.ModelInstanceGroup.KIND_GPU if generate and options.gpu else mc.ModelInstanceGroup.KIND_CPU
+    config.instance_group.add(count=options.instance_count if generate else 1, kind=kind)
     # No step has a dynamic batcher. With max_batch_size 0 it batches nothing, and in 2.51 it does harm: it drops
     # cancelled requests before postprocessing can relay them (models/relay.py), and a request that arrives while
-    # the instance is busy waits for the batcher's 500 ms idle timeout (dynamic_batch_scheduler.cc): 3 of 8
-    # concurrent streams started half a second late. Requests go straight to the instance; v4_generate takes
+    # the instance is busy waits for the batcher's 500 ms idle timeout (dynamic_batch_scheduler.cc), so
+    # concurrent streams started late (benchmarks/RESULTS.md). Requests go straight to the instance; v4_generate takes
     # each at once (its execute is async) and its serving loop refuses what exceeds max_batch + max_queue_size.
     values: dict[str, object] = {"engine_dir": options.engine_dir}
     if model is PREPROCESSING:
@@ -151,22 +141,24 @@ def python_model(model: Model, options: Options) -> str:
         values.update(max_batch=options.max_batch, max_queue_size=options.max_queue_size)
         if options.gpu:
             values["providers"] = "CUDAExecutionProvider,CPUExecutionProvider"
-    return text + parameters(values)
+    for key, value in values.items():
+        config.parameters[key].string_value = str(value)
+    return config
 
 
-def ensemble_model() -> str:
-    steps = []
+def ensemble_model() -> mc.ModelConfig:
+    """The client-facing model: preprocessing -> v4_generate -> postprocessing."""
+    config = mc.ModelConfig(name="ensemble", platform="ensemble", max_batch_size=0,
+                            input=_inputs(ENSEMBLE_INPUTS), output=_outputs(ENSEMBLE_OUTPUTS))
     for step in STEPS:
         inputs, outputs = ensemble_map(step)
-        maps = [f'input_map {{ key: "{k}" value: "{v}" }}' for k, v in inputs.items()]
-        maps += [f'output_map {{ key: "{k}" value: "{v}" }}' for k, v in outputs.items()]
-        steps.append(f'  {{ model_name: "{step.name}" model_version: -1\n    ' + "\n    ".join(maps) + " }")
-    return ('# the client-facing model: preprocessing -> v4_generate -> postprocessing\n'
-            'name: "ensemble"\nplatform: "ensemble"\nmax_batch_size: 0\n'
-            + tensors("input", ENSEMBLE_INPUTS) + tensors("output", ENSEMBLE_OUTPUTS)
-            + "ensemble_scheduling { step [\n" + ",\n".join(steps) + "\n] }\n")
+        config.ensemble_scheduling.step.add(model_name=step.name, model_version=-1, input_map=inputs,
+                                            output_map=outputs)
+    return config
 
 
 def model_configs(options: Options) -> dict[str, str]:
-    """config.pbtxt text per model name."""
-    return {**{step.name: python_model(step, options) for step in STEPS}, "ensemble": ensemble_model()}
+    """config.pbtxt text per model name, written by protobuf's own text format (the models' docs as comments)."""
+    configs = {step.name: (step.doc, python_model(step, options)) for step in STEPS}
+    configs["ensemble"] = ("the client-facing model: preprocessing -> v4_generate -> postprocessing", ensemble_model())
+    return {name: f"# {doc}\n" + text_format.MessageToString(config) for name, (doc, config) in configs.items()}

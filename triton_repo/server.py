@@ -131,19 +131,8 @@ class TritonServer:
         self.temp_dir: Path | None = None              # made by start()
         self.shm_prefix = f"v4engine-triton-{secrets.token_hex(8)}-"
         self.process: subprocess.Popen | None = None
-        self.http_port = self.grpc_port = self.metrics_port = 0
-
-    @property
-    def http_url(self) -> str:
-        return f"{HOST}:{self.http_port}"
-
-    @property
-    def grpc_url(self) -> str:
-        return f"{HOST}:{self.grpc_port}"
-
-    @property
-    def metrics_url(self) -> str:
-        return f"http://{HOST}:{self.metrics_port}/metrics"
+        self.http_port = self.grpc_port = self.metrics_port = 0      # chosen by start(), with the URLs
+        self.http_url = self.grpc_url = self.metrics_url = ""
 
     def _backends(self) -> Path:
         """backends/python/: the wheel's backend files and the stub for the environment's Python, as links."""
@@ -181,6 +170,8 @@ class TritonServer:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.temp_dir = Path(tempfile.mkdtemp(prefix="v4engine-triton-"))
         self.http_port, self.grpc_port, self.metrics_port = free_ports(3)
+        self.http_url, self.grpc_url = f"{HOST}:{self.http_port}", f"{HOST}:{self.grpc_port}"
+        self.metrics_url = f"http://{HOST}:{self.metrics_port}/metrics"
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
                                             env=self._environment(), start_new_session=True,

@@ -1,64 +1,50 @@
-"""Backend compilers: one module per backend, chosen by name (`--backend`).
+"""Backend compilers: one module per backend of the runtime's registry (runtime/backends.py), named after it.
 
-Each takes the engine directory with its exported graphs and engine.json and compiles (and checks) them for its
-runtime; what it returns is recorded in engine.json as `build.compile`."""
+Each module provides the three steps of a build that differ by backend:
+- `preflight(options)`: fail before the export when the backend's compiler is needed but missing (one clear line);
+- `prepare_graph(model, name)`: the backend's rewrite of an exported graph, in memory, before the build checks and
+  saves it: (the graph, what to record of it);
+- `compile_engine(engine_dir, manifest, options, prepared)`: compile (and check) the saved graphs; returns the
+  backend's compile record, which engine.json holds as `build.compile`.
+The functions here run the step of the module of the backend asked for."""
 from __future__ import annotations
 
+from importlib import import_module
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+from v4engine.runtime.backends import BACKENDS, CompileRecord
 from v4engine.runtime.engine import EngineManifest
 
 if TYPE_CHECKING:
     import onnx
 
-# The quantized weight formats each backend keeps quantized in place (behind a blocked DequantizeLinear); weights
-# of the other formats are dequantized into the converted file: ONNX Runtime's CPU provider has no FP4 kernel,
-# and MIGraphX reads neither FLOAT8E4M3FN nor blocked DequantizeLinear at its opset 19.
-QUANTIZED_IN_PLACE = {"onnxruntime": frozenset({"fp8_block"}), "tensorrt": frozenset({"fp8_block", "mxfp4"}),
-                      "migraphx": frozenset()}
+    from ..build import BuildOptions
+
+# The quantized weight formats each backend keeps quantized in place (the registry says why)
+QUANTIZED_IN_PLACE = {name: backend.quantized_in_place for name, backend in BACKENDS.items()}
 TENSORRT_OPTIMIZATION_LEVEL = 3              # --builder-optimization-level's default, TensorRT's own
 
 
-def preflight(backend: str, onnx_only: bool) -> None:
+def builder_module(backend: str) -> ModuleType:
+    """The builder module of `backend` (the registry names it)."""
+    return import_module(BACKENDS[backend].builder)
+
+
+def preflight(options: BuildOptions) -> None:
     """Fail before the export when the backend's compiler is needed but missing (one clear line)."""
-    if backend == "tensorrt" and not onnx_only:
-        from .tensorrt import check_installed
-
-        check_installed()
+    builder_module(options.backend).preflight(options)
 
 
-def prepare_graph(backend: str, model: "onnx.ModelProto", name: str) -> tuple["onnx.ModelProto", Any]:
-    """The backend's rewrite of an exported graph, in memory, before the build checks and saves it:
-    (the graph, what to record of it in engine.json's build.compile)."""
-    if backend == "tensorrt":
-        from .tensorrt import mark_aot
-
-        return model, mark_aot(model)
-    if backend == "migraphx":
-        from .migraphx import make_variant
-
-        return make_variant(model, name)
-    return model, None
+def prepare_graph(backend: str, model: onnx.ModelProto, name: str) -> tuple[onnx.ModelProto, Any]:
+    """The backend's rewrite of the exported graph `name`, in memory, before the build checks and saves it:
+    (the graph, what to record of it)."""
+    return builder_module(backend).prepare_graph(model, name)
 
 
-def compile_engine(engine_dir: Path, manifest: EngineManifest, options: Any, prepared: dict[str, Any]) -> dict:
-    """Compile (and check) the graphs of engine_dir for manifest.backend; returns what to record in engine.json.
+def compile_engine(engine_dir: Path, manifest: EngineManifest, options: BuildOptions, prepared: dict[str, Any]
+                   ) -> CompileRecord:
+    """Compile (and check) the graphs of engine_dir for manifest.backend; returns what engine.json records of it.
     prepared: what prepare_graph recorded of each graph."""
-    if manifest.backend == "onnxruntime":
-        from .onnxruntime import compile_engine as compile_onnxruntime
-
-        return compile_onnxruntime(engine_dir, manifest)
-    if manifest.backend == "tensorrt":
-        from .tensorrt import compile_engine as compile_tensorrt
-
-        return compile_tensorrt(engine_dir, manifest, prepared, onnx_only=options.onnx_only,
-                                optimization_level=options.builder_optimization_level,
-                                timing_cache=options.timing_cache, replaced=options.output)
-    if manifest.backend == "migraphx":
-        from .migraphx import compile_engine as compile_migraphx
-
-        return compile_migraphx(engine_dir, manifest, prepared)
-    from ..build import BuildError
-
-    raise BuildError(f"--backend {manifest.backend}: not available in this build of v4engine yet")
+    return builder_module(manifest.backend).compile_engine(engine_dir, manifest, options, prepared)

@@ -4,7 +4,7 @@ MIGraphX's parser (read from its sources: migraphx_ops.json names the release) d
 reads model-local functions, documents opsets up to 19 and rejects FLOAT8E4M3FN tensors. So for each graph:
 1. the v4 op functions are inlined (onnx.inliner): the engine runs their standard-op bodies, all of them ops
    the parser has (the build already made the exporter's sequence ops one Split: export.split_sequences);
-2. quantized weights arrive dequantized (the builder's QUANTIZED_IN_PLACE policy gives MIGraphX none), so no
+2. quantized weights arrive dequantized (the registry keeps no format quantized in place for MIGraphX), so no
    FLOAT8E4M3FN tensor and no blocked DequantizeLinear remain;
 3. the opset is lowered to 19 (`lower_opset`), and onnx.checker and strict shape inference prove it;
 4. `check` compares every op, tensor type and the opset with the allowlist and fails the build with one line
@@ -15,20 +15,26 @@ Then, where the `migraphx` module imports, each graph is parsed and compiled onc
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
+from collections.abc import Mapping, Sequence
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import onnx
 from onnx import inliner
 
+from v4engine.runtime.backends import MIGraphXCompiled, Program, Variant
 from v4engine.runtime.engine import EngineManifest
 from v4engine.runtime.errors import V4EngineError
 from v4engine.runtime.profiles import Profile
 
-from .profiles import as_record, engine_profiles
+from .profiles import engine_profiles
+
+if TYPE_CHECKING:
+    from ..build import BuildOptions
 
 ALLOWLIST = Path(__file__).with_name("migraphx_ops.json")
 SCRIPT = "compile_migraphx.sh"
@@ -96,7 +102,11 @@ def check(model: onnx.ModelProto, name: str | Path) -> None:
                                  + "; ".join(found))
 
 
-def make_variant(model: onnx.ModelProto, name: str) -> tuple[onnx.ModelProto, dict[str, Any]]:
+def preflight(options: BuildOptions) -> None:
+    """Nothing to check: without MIGraphX the build leaves compile_migraphx.sh instead of programs."""
+
+
+def prepare_graph(model: onnx.ModelProto, name: str) -> tuple[onnx.ModelProto, Variant]:
     """The portable graph `name` as the MIGraphX variant (steps 1-4 of the module doc; the build then runs the
     checker and strict shape inference on it, step 3's proof): (variant, what to record of it)."""
     model = inliner.inline_local_functions(model)
@@ -106,15 +116,15 @@ def make_variant(model: onnx.ModelProto, name: str) -> tuple[onnx.ModelProto, di
     model.opset_import.extend(kept)
     lower_opset(model, allowlist()["max_opset"])
     check(model, name)
-    return model, {"nodes": len(model.graph.node), "opset": allowlist()["max_opset"]}
+    return model, Variant(len(model.graph.node), allowlist()["max_opset"])
 
 
 def compile_programs(engine_dir: Path, manifest: EngineManifest, migraphx: Any,
-                     graph_profiles: dict[str, list[Profile]]) -> dict[str, list[dict[str, str]]]:
+                     graph_profiles: Mapping[str, Sequence[Profile]]) -> dict[str, tuple[Program, ...]]:
     """Parse and compile every graph once per optimization profile for the GPU; save `{graph}.{profile}.mxr`."""
-    out: dict[str, list[dict[str, str]]] = {}
+    out: dict[str, tuple[Program, ...]] = {}
     for graph, entry in manifest.graphs.items():
-        out[graph] = []
+        programs = []
         for profile in graph_profiles[graph]:
             dims = {name: [migraphx.shape.dynamic_dimension(lo, hi, {opt} if lo != hi else set())
                            for lo, opt, hi in zip(*ranges)] for name, ranges in profile.shapes.items()}
@@ -122,19 +132,17 @@ def compile_programs(engine_dir: Path, manifest: EngineManifest, migraphx: Any,
             program.compile(migraphx.get_target("gpu"))
             file = f"{graph}.{profile.name}.mxr"
             migraphx.save(program, str(engine_dir / file))
-            out[graph].append({"profile": profile.name, "file": file})
+            programs.append(Program(profile.name, file))
+        out[graph] = tuple(programs)
     return out
 
 
-def compile_engine(engine_dir: Path, manifest: EngineManifest, variants: dict[str, Any]) -> dict[str, Any]:
-    """Compile every graph's variant (made by make_variant, recorded in `variants`) where MIGraphX imports;
-    returns engine.json's build.compile."""
+def compile_engine(engine_dir: Path, manifest: EngineManifest, options: BuildOptions, prepared: dict[str, Variant]
+                   ) -> MIGraphXCompiled:
+    """Compile every graph's variant (prepared: what prepare_graph recorded of each) where MIGraphX imports, else
+    leave compile_migraphx.sh for the ROCm machine; returns engine.json's build.compile."""
     allowed = allowlist()
     graph_profiles = engine_profiles(manifest)
-    record: dict[str, Any] = {
-        "allowlist": {"migraphx": allowed["migraphx_version"], "source": allowed["source"]},
-        "variant": variants,
-        "profiles": as_record(graph_profiles)}
     try:
         import migraphx
     except ImportError:
@@ -144,11 +152,12 @@ def compile_engine(engine_dir: Path, manifest: EngineManifest, variants: dict[st
                           "installed.\nset -euo pipefail\nexec python3 -m v4engine.builder.backends.migraphx "
                           "\"$(dirname \"$0\")\"\n")
         script.chmod(0o755)
-        record |= {"migraphx": "not installed here: run compile_migraphx.sh on the ROCm machine", "programs": None}
-        return record
-    record |= {"migraphx": getattr(migraphx, "__version__", "unknown"),
-               "programs": compile_programs(engine_dir, manifest, migraphx, graph_profiles)}
-    return record
+        version, programs = "not installed here: run compile_migraphx.sh on the ROCm machine", None
+    else:
+        version = getattr(migraphx, "__version__", "unknown")
+        programs = compile_programs(engine_dir, manifest, migraphx, graph_profiles)
+    return MIGraphXCompiled({"migraphx": allowed["migraphx_version"], "source": allowed["source"]}, prepared,
+                            graph_profiles, version, programs)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,18 +170,19 @@ def main(argv: list[str] | None = None) -> int:
 
     engine_dir = Path(argv[0])
     manifest = EngineManifest.read(engine_dir)
-    graph_profiles = {graph: [Profile.from_dict(p) for p in ps]
-                      for graph, ps in manifest.build["compile"]["profiles"].items()}
-    manifest.build["compile"]["programs"] = compile_programs(engine_dir, manifest, migraphx, graph_profiles)
-    manifest.build["compile"]["migraphx"] = getattr(migraphx, "__version__", "unknown")
+    if not isinstance(manifest.compiled, MIGraphXCompiled):
+        print(f"{engine_dir}: a {manifest.backend} engine, not a MIGraphX one", file=sys.stderr)
+        return 1
+    programs = compile_programs(engine_dir, manifest, migraphx, manifest.compiled.profiles)
+    manifest.compiled = dataclasses.replace(manifest.compiled, migraphx=getattr(migraphx, "__version__", "unknown"),
+                                            programs=programs)
     manifest.write(engine_dir)
-    print(f"compiled {engine_dir}: " + ", ".join(p["file"] for ps in manifest.build["compile"]["programs"].values()
-                                                 for p in ps))
+    print(f"compiled {engine_dir}: " + ", ".join(p.file for ps in programs.values() for p in ps))
     return 0
 
 
 
-__all__ = ["allowlist", "offenders", "check", "make_variant", "compile_engine", "MIGraphXCheckError"]
+__all__ = ["allowlist", "offenders", "check", "preflight", "prepare_graph", "compile_engine", "MIGraphXCheckError"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -2,8 +2,6 @@
 runtime makes, decided from engine.json's build limits and recorded there, in the order the engine holds them."""
 from __future__ import annotations
 
-from dataclasses import asdict
-
 from v4engine.runtime.config import CSA, HCA
 from v4engine.runtime.engine import EngineManifest, TensorSpec
 from v4engine.runtime.profiles import Profile
@@ -36,18 +34,13 @@ def profiles(manifest: EngineManifest, graph: str) -> list[Profile]:
     return out
 
 
-def engine_profiles(manifest: EngineManifest) -> dict[str, list[Profile]]:
-    """Every graph's profiles."""
-    return {graph: profiles(manifest, graph) for graph in manifest.graphs}
-
-
-def as_record(graph_profiles: dict[str, list[Profile]]) -> dict[str, list[dict]]:
-    """The profiles as engine.json's build.compile.profiles holds them (Profile.from_dict reads them back)."""
-    return {graph: [asdict(p) for p in ps] for graph, ps in graph_profiles.items()}
+def engine_profiles(manifest: EngineManifest) -> dict[str, tuple[Profile, ...]]:
+    """Every graph's profiles, as the backends' compile records hold them."""
+    return {graph: tuple(profiles(manifest, graph)) for graph in manifest.graphs}
 
 
 def _static(spec: TensorSpec) -> bool:
     return all(isinstance(d, int) for d in spec.shape)
 
 
-__all__ = ["profiles", "engine_profiles", "as_record"]
+__all__ = ["profiles", "engine_profiles"]

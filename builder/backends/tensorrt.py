@@ -18,18 +18,23 @@ optimization profile per entry of `profiles`, a timing cache (read if it exists,
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import onnx
 
 from v4engine.plugins import DOMAIN, PLUGIN_OPS
 from v4engine.plugins.tensorrt import MIN_TENSORRT, TensorRTNotInstalled, register_plugins
+from v4engine.runtime.backends import BuiltPlan, TensorRTCompiled
 from v4engine.runtime.engine import EngineManifest
 from v4engine.runtime.errors import V4EngineError
 from v4engine.runtime.profiles import Profile
 
-from .profiles import as_record, engine_profiles
+from .profiles import engine_profiles
+
+if TYPE_CHECKING:
+    from ..build import BuildOptions
 
 TIMING_CACHE = "timing.cache"
 
@@ -53,6 +58,17 @@ def mark_aot(model: onnx.ModelProto) -> int:
     return marked
 
 
+def preflight(options: BuildOptions) -> None:
+    """TensorRT must be importable unless the build stops before it (--onnx-only)."""
+    if not options.onnx_only:
+        check_installed()
+
+
+def prepare_graph(model: onnx.ModelProto, name: str) -> tuple[onnx.ModelProto, int]:
+    """The graph with every v4 op node marked for its AOT plugin kernel (mark_aot), and how many were."""
+    return model, mark_aot(model)
+
+
 def check_installed() -> Any:
     """The tensorrt module, with the v4 plugins registered; TensorRTBuildError (one line) when it cannot be."""
     try:
@@ -66,8 +82,8 @@ def check_installed() -> Any:
     return tensorrt
 
 
-def build_plan(trt: Any, onnx_path: Path, plan_path: Path, graph_profiles: list[Profile], optimization_level: int,
-               timing_cache: Path, seed_cache: Path | None = None, fp32: bool = False) -> dict[str, Any]:
+def build_plan(trt: Any, onnx_path: Path, plan_path: Path, graph_profiles: Sequence[Profile], optimization_level: int,
+               timing_cache: Path, seed_cache: Path | None = None, fp32: bool = False) -> BuiltPlan:
     """Parse, configure and build one serialized engine (TensorRT's documented Python API).
 
     The timing cache is read from `timing_cache`, else from `seed_cache` (the engine being replaced), and written
@@ -101,36 +117,32 @@ def build_plan(trt: Any, onnx_path: Path, plan_path: Path, graph_profiles: list[
         raise TensorRTBuildError(f"{onnx_path}: TensorRT could not build an engine (see its log above)")
     plan_path.write_bytes(bytes(serialized))
     timing_cache.write_bytes(bytes(config.get_timing_cache().serialize()))
-    return {"plan": plan_path.name, "bytes": plan_path.stat().st_size,
-            "seconds": round(time.perf_counter() - started, 1)}
+    return BuiltPlan(plan_path.name, plan_path.stat().st_size, round(time.perf_counter() - started, 1))
 
 
-def compile_engine(engine_dir: Path, manifest: EngineManifest, plugin_nodes: dict[str, int], onnx_only: bool,
-                   optimization_level: int, timing_cache: Path | None, replaced: Path | None) -> dict[str, Any]:
-    """Build every graph's engine (prepared by mark_aot, plugin_nodes per graph) unless onnx_only; returns
-    engine.json's `build.compile`.
+def compile_engine(engine_dir: Path, manifest: EngineManifest, options: BuildOptions, prepared: dict[str, int]
+                   ) -> TensorRTCompiled:
+    """Build every graph's engine (prepared: the plugin nodes prepare_graph marked, per graph) unless
+    --onnx-only; returns engine.json's `build.compile`.
 
-    timing_cache: a cache kept across builds (--timing-cache); default: `timing.cache` in the engine, seeded from
-    the engine folder `replaced` (the OUT a --force rebuild replaces) when that has one."""
+    The timing cache: --timing-cache, kept across builds; default: `timing.cache` in the engine, seeded from the
+    engine folder a --force rebuild replaces (options.output) when that has one."""
     graph_profiles = engine_profiles(manifest)
-    record: dict[str, Any] = {
-        "profiles": as_record(graph_profiles), "optimization_level": optimization_level,
-        "plugin_nodes": plugin_nodes}
-    if onnx_only:
-        record["plans"] = None
-        record["tensorrt"] = "not built (--onnx-only): written to TensorRT's documented API, not run here"
-        return record
-    trt = check_installed()
-    cache = timing_cache or engine_dir / TIMING_CACHE
-    seed = replaced / TIMING_CACHE if replaced is not None and timing_cache is None else None
-    record["tensorrt"] = trt.__version__
-    record["timing_cache"] = str(timing_cache) if timing_cache else TIMING_CACHE
-    record["plans"] = {graph: build_plan(trt, engine_dir / entry.file, engine_dir / f"{graph}.plan",
-                                         graph_profiles[graph], optimization_level, cache, seed,
-                                         fp32=manifest.dtype == "fp32")
-                       for graph, entry in manifest.graphs.items()}
-    return record
+    level = options.builder_optimization_level
+    if options.onnx_only:
+        plans, timing_cache = None, None
+        version = "not built (--onnx-only): written to TensorRT's documented API, not run here"
+    else:
+        trt = check_installed()
+        cache = options.timing_cache or engine_dir / TIMING_CACHE
+        seed = options.output / TIMING_CACHE if options.timing_cache is None else None
+        plans = {graph: build_plan(trt, engine_dir / entry.file, engine_dir / f"{graph}.plan", graph_profiles[graph],
+                                   level, cache, seed, fp32=manifest.dtype == "fp32")
+                 for graph, entry in manifest.graphs.items()}
+        version, timing_cache = trt.__version__, str(options.timing_cache) if options.timing_cache else TIMING_CACHE
+    return TensorRTCompiled(profiles=graph_profiles, optimization_level=level, plugin_nodes=prepared, plans=plans,
+                            tensorrt=version, timing_cache=timing_cache)
 
 
-__all__ = ["mark_aot", "check_installed", "build_plan", "compile_engine",
+__all__ = ["preflight", "prepare_graph", "mark_aot", "check_installed", "build_plan", "compile_engine",
            "TensorRTBuildError"]

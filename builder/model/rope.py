@@ -1,4 +1,4 @@
-"""Rotary embedding of DeepSeek-V4: interleaved pairs on the trailing channels of a head (V4_MODEL.md §2.4).
+"""Rotary embedding of DeepSeek-V4: interleaved pairs on the trailing channels of a head (docs/model.md §2.4).
 
 Sliding layers and the MTP layer use the main rope (theta 10000); every rotary inside CSA/HCA layers
 uses the compress rope (theta 160000 + DeepSeek YaRN without mscale). Frequencies are computed as

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from v4engine.runtime.config import CSA, ROW_GROUPS, SLIDING, V4Config
+from v4engine.runtime.config import V4Config
+from v4engine.runtime.layout import CacheLayout, closed_windows
 
 from .v4 import LayerCache, LayerDelta
 
@@ -18,18 +19,12 @@ class ModelState:
 
     def __init__(self, cfg: V4Config, batch: int, draft: bool = False, dtype: torch.dtype = torch.float32):
         self.cfg, self.dtype = cfg, dtype
-        self.kinds = [SLIDING] if draft else list(cfg.layer_types)
+        layout = CacheLayout(cfg, draft)
+        self.layers = [layout.of_layer(layer) for layer in dict.fromkeys(g.layer for g in layout.groups)]
         self.lengths = [0] * batch
-        self.history: list[list[dict[str, torch.Tensor]]] = []
-        for kind in self.kinds:
-            names = {"window_kv": cfg.head_dim}
-            if kind != SLIDING:
-                c = 2 * cfg.head_dim if kind == CSA else cfg.head_dim
-                names.update(compressor_kv=c, compressor_gate=c, compressed_kv=cfg.head_dim)
-            if kind == CSA:
-                names.update(indexer_kv=2 * cfg.index_head_dim, indexer_gate=2 * cfg.index_head_dim,
-                             index_keys=cfg.index_head_dim)
-            self.history.append([{n: torch.zeros(0, w, dtype=dtype) for n, w in names.items()} for _ in range(batch)])
+        self.history: list[list[dict[str, torch.Tensor]]] = [
+            [{g.name: torch.zeros(0, g.width, dtype=dtype) for g in groups} for _ in range(batch)]
+            for groups in self.layers]
 
     @property
     def batch(self) -> int:
@@ -41,35 +36,22 @@ class ModelState:
         return start + torch.arange(n_new).unsqueeze(0)
 
     def views(self) -> list[LayerCache]:
-        cfg = self.cfg
+        """What a forward reads of each layer: the rows the layout's view holds, compressed rows padded."""
         out = []
-        for kind, rows in zip(self.kinds, self.history):
-            view = LayerCache(window_kv=self._last(rows, "window_kv", cfg.sliding_window - 1))
-            if kind != SLIDING:
-                p = cfg.state_tokens(kind)
-                view.compressor_kv = self._last(rows, "compressor_kv", p)
-                view.compressor_gate = self._last(rows, "compressor_gate", p)
-                view.compressed_kv = self._padded(rows, "compressed_kv")
-            if kind == CSA:
-                view.indexer_kv = self._last(rows, "indexer_kv", p)
-                view.indexer_gate = self._last(rows, "indexer_gate", p)
-                view.index_keys = self._padded(rows, "index_keys")
-            out.append(view)
+        for groups, rows in zip(self.layers, self.history):
+            view = {g.name: self._padded(rows, g.name) if g.ratio else self._last(rows, g.name, g.view_rows)
+                    for g in groups}
+            out.append(LayerCache(**view))
         return out
 
     def commit(self, deltas: list[LayerDelta], n_new: list[int]) -> None:
         """Keep the first n_new[b] new positions of row b (the accepted prefix); drop the rest."""
-        for kind, rows, delta in zip(self.kinds, self.history, deltas):
-            m = self.cfg.compress_rates.get(kind, 0)
+        for groups, rows, delta in zip(self.layers, self.history, deltas):
             for b, (row, n) in enumerate(zip(rows, n_new)):
-                for name in row:
-                    new = getattr(delta, name)
-                    if name in ROW_GROUPS:  # rows of windows that closed within the accepted positions
-                        n_rows = (self.lengths[b] + n) // m - self.lengths[b] // m
-                        new = new[b, :n_rows]
-                    else:
-                        new = new[b, :n]
-                    row[name] = torch.cat([row[name], new.detach().to(self.dtype)])
+                for g in groups:
+                    new = getattr(delta, g.name)
+                    kept = closed_windows(self.lengths[b], n, g.ratio) if g.ratio else n
+                    row[g.name] = torch.cat([row[g.name], new[b, :kept].detach().to(self.dtype)])
         self.lengths = [length + n for length, n in zip(self.lengths, n_new)]
 
     def _last(self, rows: list[dict[str, torch.Tensor]], name: str, count: int) -> torch.Tensor:

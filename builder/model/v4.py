@@ -1,6 +1,6 @@
 """Our DeepSeek-V4 + MTP in PyTorch, written for export and for reading top to bottom.
 
-Engines are pure (DESIGN.md): every forward takes token ids, absolute positions and read-only cache
+Engines are pure (docs/architecture.md §2): every forward takes token ids, absolute positions and read-only cache
 views, and returns logits, the pre-head hidden streams and per-position state deltas. Prefill of N
 tokens, a verify of k+1 tokens on existing caches and an MTP step are all the same function; the
 caller (runtime or `state.ModelState`) appends the deltas and commits by length.
@@ -23,8 +23,10 @@ from torch import nn
 from v4engine.plugins.attention import csa_attention, hca_attention, sliding_attention
 from v4engine.plugins.compressor import csa_compress, hca_compress
 from v4engine.plugins.indexer import indexer_topk
+from v4engine.plugins.moe import routed_experts, swiglu
 from v4engine.plugins.sinkhorn import hc_sinkhorn
 from v4engine.runtime.config import CSA, HASH_MOE, HCA, SLIDING, V4Config
+from v4engine.runtime.layout import state_tokens
 
 from .rope import apply_rope, cos_sin, inv_freq
 
@@ -36,7 +38,7 @@ FP32_PARAMETERS = re.compile(r"(hc_\w+|attn_sink|\.ape|gate\.bias)$")
 # --------------------------------------------------------------------------- cache views and deltas
 @dataclass
 class LayerTensors:
-    """One layer's tensors by cache group (names as in V4Config.cache_groups); None for groups it lacks."""
+    """One layer's tensors by cache group (names as in runtime/layout.py); None for groups it lacks."""
 
     window_kv: torch.Tensor
     compressor_kv: torch.Tensor | None = None
@@ -102,7 +104,7 @@ class Rotary(nn.Module):
 
 def hyper_connection(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, cfg: V4Config
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """mHC (V4_MODEL.md §2.2): from streams x [B,S,N,D] return (post [B,S,N], comb [B,S,N,N], collapsed [B,S,D])."""
+    """mHC (docs/model.md §2.2): from streams x [B,S,N,D] return (post [B,S,N], comb [B,S,N,N], collapsed [B,S,D])."""
     n = cfg.hc_mult
     flat = unweighted_rms_norm(x.flatten(2).float(), cfg.rms_norm_eps)
     mix = F.linear(flat, fn.float())
@@ -125,7 +127,7 @@ def hyper_expand(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: tor
 
 def hyper_head(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, cfg: V4Config
                ) -> torch.Tensor:
-    """Final collapse of the streams: sigmoid-weighted sum, no Sinkhorn (V4_MODEL.md §2.10)."""
+    """Final collapse of the streams: sigmoid-weighted sum, no Sinkhorn (docs/model.md §2.10)."""
     flat = unweighted_rms_norm(x.flatten(2).float(), cfg.rms_norm_eps)
     pre = torch.sigmoid(F.linear(flat, fn.float()) * scale.float() + base.float()) + cfg.hc_eps
     return (pre.unsqueeze(-1) * x).sum(dim=2).to(x.dtype)
@@ -139,7 +141,7 @@ class Compressor(nn.Module):
         super().__init__()
         self.ratio = cfg.compress_rates[kind]
         self.overlap = kind == CSA
-        self.state_tokens = cfg.state_tokens(kind)
+        self.state_tokens = state_tokens(cfg, kind)
         width = 2 * head_dim if self.overlap else head_dim
         self.wkv = linear(cfg.hidden_size, width)
         self.wgate = linear(cfg.hidden_size, width)
@@ -263,7 +265,7 @@ class Expert(nn.Module):
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """SwiGLU in fp32; the official code scales by the routing weight before w2."""
-        h = F.silu(self.w1(x).float().clamp(max=self.limit)) * self.w3(x).float().clamp(-self.limit, self.limit)
+        h = swiglu(self.w1(x), self.w3(x), self.limit)
         if weight is not None:
             h = h * weight.unsqueeze(-1)
         return self.w2(h.to(x.dtype))
@@ -281,27 +283,23 @@ class Gate(nn.Module):
         else:
             self.bias = nn.Parameter(torch.zeros(cfg.n_routed_experts))
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        """Dense routing weights [T, n_experts] (zero for experts not chosen)."""
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's experts [T, k] (int64) and their routing weights [T, k] (fp32); in a hash layer an expert
+        may come twice, and then both picks count."""
         scores = torch.sqrt(F.softplus(F.linear(x.float(), self.weight.float())))
         if self.hashed:
             indices = self.tid2eid[input_ids.reshape(-1)]
         else:
             indices = torch.topk(scores + self.bias.float(), self.cfg.num_experts_per_tok, dim=-1).indices
         weights = scores.gather(1, indices)
-        weights = weights / weights.sum(dim=-1, keepdim=True) * self.cfg.routed_scaling_factor
-        return torch.zeros_like(scores).scatter_add(1, indices, weights)  # a repeated expert counts twice
+        return indices, weights / weights.sum(dim=-1, keepdim=True) * self.cfg.routed_scaling_factor
 
 
 class StackedExperts(nn.Module):
-    """The routed experts as three stacked weights [E, out, in], computed in one batched product.
-
-    Each expert computes what Expert.forward computes, on every token with its (often zero) routing weight, and
-    the fp32 sum over experts is the same up to its order; but the graph has a handful of nodes per layer
-    whatever the number of experts: the export of a 256-expert layer would otherwise trace 256 expert bodies.
-    The builder gives each stacked weight its bytes as the experts' own checkpoint tensors, joined in the graph
-    (builder/weights.py). Dense, as the whole exported MoE is: [E, T, inter] fp32 intermediates (1 GiB for
-    V4-Flash at a 512-token chunk) and E/top-k times the expert FLOPs, until a gathered MoE replaces it."""
+    """The routed experts as three stacked weights [E, out, in], run as one v4::RoutedExperts op (plugins/moe.py):
+    only the chosen experts compute, tokens grouped by expert. The export of a 256-expert layer is then a handful
+    of nodes, not 256 expert bodies. The builder gives each stacked weight its bytes as the experts' own
+    checkpoint tensors (builder/weights.py)."""
 
     def __init__(self, experts: nn.ModuleList):
         super().__init__()
@@ -309,17 +307,14 @@ class StackedExperts(nn.Module):
             setattr(self, name, nn.Parameter(torch.stack([getattr(e, name).weight for e in experts])))
         self.limit = experts[0].limit
 
-    def forward(self, x: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
-        """x [T, D], route [T, E] -> the fp32 sum over experts [T, D], each expert as Expert.forward computes it."""
-        limit = self.limit
-        h1, h3 = (torch.matmul(x, w.transpose(1, 2)).float() for w in (self.w1, self.w3))       # [E, T, inter]
-        h = F.silu(h1.clamp(max=limit)) * h3.clamp(-limit, limit) * route.t().unsqueeze(-1)
-        return torch.matmul(h.to(x.dtype), self.w2.transpose(1, 2)).float().sum(dim=0)
+    def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, D], each token's experts and weights [T, k] -> the fp32 sum over its picks [T, D]."""
+        return routed_experts(x, indices, weights, self.w1, self.w2, self.w3, limit=self.limit)
 
 
 class MoE(nn.Module):
-    """Routed experts + one shared expert. Every expert runs on every token with its (often zero) weight:
-    exact and free of data-dependent shapes, so the exported graph is right at every length."""
+    """Routed experts + one shared expert. Built with one module per expert (the checkpoint's layout, and what
+    training updates); stack_experts() turns them into StackedExperts for export."""
 
     def __init__(self, cfg: V4Config, hashed: bool):
         super().__init__()
@@ -338,16 +333,15 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        route = self.gate(flat, input_ids)
+        indices, weights = self.gate(flat, input_ids)
         out = self.shared_experts(flat).float()                 # accumulated in fp32, as the official code does
         if self.routed is not None:
-            return (out + self.routed(flat, route)).to(x.dtype).view(shape)
-        for e, expert in enumerate(self.experts):
-            if self.training:   # training: only the routed tokens (same sum; data-dependent shapes are fine here)
-                rows = route[:, e].nonzero().squeeze(-1)
-                out = out.index_add(0, rows, expert(flat[rows], route[rows, e]).float())
-            else:
-                out = out + expert(flat, route[:, e]).float()
+            return (out + self.routed(flat, indices, weights)).to(x.dtype).view(shape)
+        picks = indices.reshape(-1)
+        for e in picks.unique().tolist():                       # each chosen expert on its tokens
+            rows = (picks == e).nonzero().squeeze(-1)
+            tokens = torch.div(rows, indices.shape[1], rounding_mode="floor")
+            out = out.index_add(0, tokens, self.experts[e](flat[tokens], weights.reshape(-1)[rows]).float())
         return out.to(x.dtype).view(shape)
 
 
@@ -385,7 +379,7 @@ class MTPLayer(Block):
     """The MTP draft layer `mtp.0`: combines target streams h_i with emb(t_{i+1}) and predicts t_{i+2}.
 
     A full sliding-attention block (main rope, score-routed MoE) with its own e/h projections, hc head and
-    norm; embedding and LM head are shared with the target (V4_MODEL.md §4).
+    norm; embedding and LM head are shared with the target (docs/model.md §4).
     """
 
     def __init__(self, cfg: V4Config):

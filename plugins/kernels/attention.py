@@ -1,4 +1,4 @@
-"""Triton kernels for v4::SlidingAttention, v4::HcaAttention and v4::CsaAttention (V4_MODEL.md §2.3-2.8).
+"""Triton kernels for v4::SlidingAttention, v4::HcaAttention and v4::CsaAttention (docs/model.md §2.3-2.8).
 
 The semantics are those of the PyTorch references in `plugins/attention.py`: every query attends, with one
 softmax, to the window keys it can see plus (HCA) every compressed row already closed or (CSA) the rows

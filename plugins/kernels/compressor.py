@@ -1,4 +1,4 @@
-"""Triton kernel for v4::HcaCompress and v4::CsaCompress (V4_MODEL.md §2.6-2.8, plugins/compressor.py).
+"""Triton kernel for v4::HcaCompress and v4::CsaCompress (docs/model.md §2.6-2.8, plugins/compressor.py).
 
 The ops see per-token values kv and gates for consecutive positions first_pos .. first_pos+L-1 (the
 `state_tokens` the cache kept, then the new tokens) and emit E = ceil((L - state_tokens) / ratio) rows:
@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+
+from v4engine.runtime.layout import emitted_rows
 
 from .launch import LaunchPlan, cdiv, launch, pointer_type
 
@@ -74,7 +76,7 @@ def _plan_compress(dims: dict[str, Any], dtype: Any, *, ratio: int, state_tokens
     d_out = dims["C"] // span
     block_slots = triton.next_power_of_2(span * ratio)
     block_c = min(triton.next_power_of_2(d_out), MAX_BLOCK_C, max(1, TILE // block_slots))
-    n_rows = (dims["L"] + (ratio - 1 - state_tokens)) // ratio
+    n_rows = emitted_rows(dims["L"], ratio, state_tokens)
     return LaunchPlan(
         kernel=_compress_kernel,
         inputs={"kv": pointer_type(dtype), "gate": pointer_type(dtype), "first_pos": "*i64"},

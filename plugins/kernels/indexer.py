@@ -1,4 +1,4 @@
-"""Triton kernel for v4::IndexerTopK, the lightning indexer's top-k (V4_MODEL.md §2.7, plugins/indexer.py).
+"""Triton kernel for v4::IndexerTopK, the lightning indexer's top-k (docs/model.md §2.7, plugins/indexer.py).
 
 score[t, r] = sum_h weights[t,h] * ReLU(q[t,h] . keys[r]) * scale over the rows visible to query t
 (0 <= key_ids[r] < (t+1) // ratio). The result is the top k = min(topk, R) slots by score, descending,

@@ -1,9 +1,9 @@
 """v4engine.plugins.tensorrt: the v4 ops as TensorRT plugins, for the TensorRT backend.
 
 TensorRT's ONNX parser resolves a node to a plugin when its op_type is the plugin's name and its
-`plugin_namespace` attribute (or, since 10.10, its domain) the plugin's namespace: every `v4::Name` node of our
-graphs matches the plugin `v4::Name` registered here, once the backend has dropped the local function of the
-same name (DESIGN.md, "Custom ops"). The plugins are Python "quickly deployable plugins" (`tensorrt.plugin`):
+`plugin_namespace` attribute the plugin's namespace: every `v4::Name` node of our graphs matches the plugin
+`v4::Name` registered here. The graphs keep the local function of the same name (the op's definition); the
+build's parser flag ENABLE_PLUGIN_OVERRIDE makes the plugin take precedence (docs/backends.md §3, §5). The plugins are Python "quickly deployable plugins" (`tensorrt.plugin`):
 `register_plugins()` must run in the process that builds the engine, and, for plugins run just in time, in the
 one that loads it; engines built with the ahead-of-time kernels (`aot=1` on the nodes) run without Python.
 

@@ -18,6 +18,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from v4engine.runtime.layout import emitted_rows
+
 Dim = Any                                  # int or symbolic expression
 Shape = Sequence[Dim]
 MinFn = Callable[[Dim, Dim], Dim]
@@ -32,11 +34,6 @@ def minimum(a: Dim, b: Dim, symbolic_min: MinFn) -> Dim:
     if isinstance(a, int) and isinstance(b, int):
         return min(a, b)
     return symbolic_min(a, b)
-
-
-def emitted_rows(L: Dim, ratio: int, state_tokens: int) -> Dim:
-    """Rows a compressor call emits, E = ceil((L - state_tokens) / ratio), with + and // only."""
-    return (L + (ratio - 1 - state_tokens)) // ratio
 
 
 OutputsFn = Callable[[Sequence[Shape], Mapping[str, Any], MinFn], list[Shape]]

@@ -1,11 +1,14 @@
-"""Engine sessions: one small interface, one module per backend (onnxruntime, tensorrt, migraphx)."""
+"""Engine sessions: one small interface, one module per backend (runtime/backends.py names each one's class)."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from ..engine import TensorSpec
+from ..backends import BACKENDS
+from ..engine import EngineManifest, TensorSpec
 from ..errors import V4EngineError
 
 
@@ -41,22 +44,10 @@ def checked_outputs(session: EngineSession, feeds: dict[str, np.ndarray], output
     return outputs
 
 
-def open_session(engine_dir, manifest, graph: str, **options) -> EngineSession:
+def open_session(engine_dir: str | Path, manifest: EngineManifest, graph: str, **options: Any) -> EngineSession:
     """The session for `graph` ('target' or 'draft') of the engine's backend.
 
-    options are ONNX Runtime's (providers, threads, ...); TensorRT and MIGraphX engines run on the current GPU."""
-    if manifest.backend == "onnxruntime":
-        from .onnxruntime import OnnxRuntimeSession
-
-        return OnnxRuntimeSession(engine_dir, manifest, graph, **options)
-    if manifest.backend == "tensorrt":
-        from .tensorrt import TensorRTSession
-
-        return TensorRTSession(engine_dir, manifest, graph)
-    if manifest.backend == "migraphx":
-        from .migraphx import MIGraphXSession
-
-        return MIGraphXSession(engine_dir, manifest, graph)
-    from ..engine import EngineFormatError
-
-    raise EngineFormatError(f"{engine_dir}: backend '{manifest.backend}' has no session in this runtime yet")
+    options are ONNX Runtime's (providers, threads, ...), for the backends whose sessions take them; TensorRT and
+    MIGraphX engines run on the current GPU."""
+    backend = BACKENDS[manifest.backend]
+    return backend.session_class()(engine_dir, manifest, graph, **(options if backend.onnxruntime_options else {}))

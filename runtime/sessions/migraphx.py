@@ -14,10 +14,11 @@ from typing import Any
 
 import numpy as np
 
+from ..backends import MIGraphXCompiled
 from ..engine import EngineManifest
 from ..engine_folder import EngineFolder
 from ..errors import V4EngineError
-from ..profiles import choose_profile, recorded_profiles
+from ..profiles import choose_profile
 from . import EngineSession
 
 PROVIDER = "MIGraphXExecutionProvider"
@@ -40,19 +41,17 @@ class MIGraphXSession(EngineSession):
         folder = EngineFolder(engine_dir)
         entry = manifest.graphs[graph]
         self.inputs, self.outputs = entry.inputs, entry.outputs
-        compiled = manifest.build.get("compile", {})
-        programs = compiled.get("programs") if isinstance(compiled, dict) else None
-        programs = programs.get(graph) if isinstance(programs, dict) else None
+        compiled = manifest.compiled
+        assert isinstance(compiled, MIGraphXCompiled)       # EngineManifest.read reads it by the backend's record
         migraphx = _migraphx()
         self._programs: list[Any] = []
         self._onnxruntime = None
-        if migraphx is not None and programs:
+        if migraphx is not None and compiled.programs is not None:
             self._migraphx = migraphx
-            self._profiles = recorded_profiles(compiled, graph, str(folder.manifest_path))
-            files = {p.get("profile"): p.get("file") for p in programs if isinstance(p, dict)}
-            field = f"build.compile.programs.{graph}"
-            self._programs = [migraphx.load(str(folder.checked_path(files.get(p.name), field, "compiled")))
-                              for p in self._profiles]
+            self._profiles = compiled.profiles[graph]      # program i was compiled for profile i (checked on reading)
+            self._programs = [migraphx.load(str(folder.checked_path(
+                program.file, f"build.compile.programs.{graph}[{i}].file", "compiled")))
+                for i, program in enumerate(compiled.programs[graph])]
             return
         import onnxruntime as ort
 

@@ -19,10 +19,11 @@ from typing import Any
 
 import numpy as np
 
+from ..backends import TensorRTCompiled
 from ..engine import EngineManifest
 from ..engine_folder import EngineFolder, EngineFormatError
 from ..errors import V4EngineError
-from ..profiles import choose_profile, recorded_profiles
+from ..profiles import choose_profile
 from . import EngineSession
 
 
@@ -54,15 +55,14 @@ class TensorRTSession(EngineSession):
             raise TensorRTUnavailable(f"{engine_dir}: a bf16 TensorRT engine does not run in this runtime yet (its "
                                       "caches are numpy arrays, which have no bfloat16); build with --dtype fp16")
         trt, torch = _import_tensorrt()
-        compiled = manifest.build.get("compile", {})
-        plans = compiled.get("plans") if isinstance(compiled, dict) else None
-        if not plans:
+        compiled = manifest.compiled
+        assert isinstance(compiled, TensorRTCompiled)       # EngineManifest.read reads it by the backend's record
+        if compiled.plans is None:
             raise EngineFormatError(f"{engine_dir}: the TensorRT engines were not built (--onnx-only); rebuild with "
                                     "v4build --backend tensorrt on a machine with TensorRT")
         self._torch, self._device = torch, torch.device("cuda", device)
-        self._profiles = recorded_profiles(compiled, graph, str(folder.manifest_path))
-        built = plans.get(graph) if isinstance(plans, dict) else None
-        plan = built.get("plan") if isinstance(built, dict) else None
+        self._profiles = compiled.profiles[graph]
+        plan = compiled.plans[graph].plan
         data = folder.read_bytes(plan, f"build.compile.plans.{graph}.plan", "compiled")
         self._logger = trt.Logger(trt.Logger.WARNING)
         self._runtime = trt.Runtime(self._logger)

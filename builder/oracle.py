@@ -1,4 +1,4 @@
-"""The transformers oracle, with the indexer tie rule of DESIGN.md: top-k ties go to the lowest index.
+"""The transformers oracle, with the indexer tie rule (docs/model.md §7): top-k ties go to the lowest index.
 
 transformers 5.23 picks indexer rows with `Tensor.topk`, which breaks exact ties (ReLU makes many scores 0)
 differently for rows of different lengths. Every realisation of ours breaks them by lowest index, so the

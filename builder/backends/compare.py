@@ -1,0 +1,45 @@
+"""A backend's engine against the ONNX Runtime engine of the same checkpoint: every graph on the inputs of a first
+call (a prefill on empty caches), through polygraphy's comparator.
+
+The TensorRT and MIGraphX backend tests compare their graphs run by ONNX Runtime this way, and the GPU check
+(tests/test_gpu_tensorrt.py) the TensorRT engines themselves. polygraphy is imported only when a comparison runs.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from v4engine.runtime.cache import SequenceCache, batch_views
+from v4engine.runtime.engine import EngineManifest
+
+
+def first_call_feeds(manifest: EngineManifest, graph: str, batch: int, seq: int) -> dict[str, np.ndarray]:
+    """The inputs of a first call of `graph` (a prefill on empty caches), random tokens and streams."""
+    rng = np.random.default_rng(0)
+    cfg = manifest.model
+    groups = manifest.cache_groups(graph)
+    caches = [SequenceCache(cfg, groups, 4 * seq, np.float32) for _ in range(batch)]
+    feeds = {"input_ids": rng.integers(0, cfg.vocab_size, (batch, seq)),
+             "positions": np.tile(np.arange(seq), (batch, 1)), **batch_views(caches, groups)}
+    if graph == "draft":
+        feeds["hidden"] = rng.standard_normal((batch, seq, cfg.hc_mult, cfg.hidden_size)).astype(np.float32)
+    return feeds
+
+
+def compare_with_onnxruntime(manifest: EngineManifest, reference: Path, runner: Callable[[str], Any], atol: float
+                             ) -> tuple[bool, str]:
+    """Every graph of `manifest`: runner(graph) (a polygraphy runner) against ONNX Runtime on the graph of the
+    engine folder `reference`, on a first call. Returns (all equal within atol, one line naming each graph)."""
+    from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
+    from polygraphy.comparator import Comparator, SimpleCompareFunc
+
+    verdicts, ok = [], True
+    for graph in manifest.graphs:
+        runners = [OnnxrtRunner(SessionFromOnnx(str(reference / f"{graph}.onnx"))), runner(graph)]
+        results = Comparator.run(runners, data_loader=[first_call_feeds(manifest, graph, 2, 9)])
+        same = bool(Comparator.compare_accuracy(results, compare_func=SimpleCompareFunc(atol=atol, rtol=0)))
+        ok &= same
+        verdicts.append(f"{graph} {'matches' if same else 'DIFFERS'}")
+    return ok, ", ".join(verdicts) + f" ONNX Runtime within {atol} (polygraphy)"

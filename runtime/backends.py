@@ -1,0 +1,247 @@
+"""The backends an engine is built for and runs on: one record each, and the only list of them.
+
+A `Backend` says what the builder and the runtime need to know of one backend:
+- `session`: its EngineSession class in runtime/sessions/<name>.py, imported only when an engine of it opens (so
+  that a backend's libraries load only where they are used);
+- `shape_specialized`: its compiled engines take shapes up to engine.json's limits only, so the runtime refuses
+  larger limits when it opens one rather than in the middle of a generation;
+- `quantized_in_place`: the quantized weight formats the build keeps quantized, in the checkpoint's own files;
+  weights of the other formats are dequantized into weights/converted.bin;
+- `dequantizes_at_load`: its runtime folds the DequantizeLinear of constant weights once at load (ONNX Runtime,
+  told so by session.disable_quant_qdq), so FP8 weights are resident in the activation dtype, not as FP8;
+- `int8_experts`: MXFP4 routed experts run as an exact int8 MoE (their codes and scales widened in the graph from
+  the stored bytes, ONNX Runtime's QMoE) rather than behind a FLOAT4E2M1 DequantizeLinear;
+- `compiled`: the typed record of what its compile step wrote in engine.json (`build.compile`);
+- `builder`: the builder module providing preflight, prepare_graph and compile_engine. The runtime only names it:
+  the builder imports the runtime, never the reverse.
+`BACKENDS` maps each name to its record. `v4build --backend`, engine.json's `backend` field and every choice the
+builder and the runtime make by backend come from it; tests/test_backends.py checks that each entry is complete.
+
+Compile records are read from engine.json, which is untrusted: `from_dict` type-checks every field (one at fault is
+one line naming it, EngineFormatError) and what the sessions index by (one entry per graph, profiles of the graph's
+own inputs, programs in the profiles' order). The files they name are opened only through EngineFolder, by the
+session that needs them.
+"""
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from importlib import import_module
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from .engine_folder import EngineFormatError
+from .profiles import Profile
+from .untrusted import JsonFields
+
+if TYPE_CHECKING:
+    from .engine import GraphEntry
+    from .sessions import EngineSession
+
+T = TypeVar("T")
+MAX_COUNT = 1 << 50          # the largest count or size a compile record may give (nodes, bytes)
+
+
+class CompileRecord(ABC):
+    """What a backend's compile step recorded: engine.json's `build.compile`, as a frozen dataclass."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """As engine.json holds it: every field, nested records as JSON objects; an optional field (default None)
+        only when it is set."""
+        whole = dataclasses.asdict(self)
+        return {f.name: whole[f.name] for f in dataclasses.fields(self)
+                if whole[f.name] is not None or f.default is not None}
+
+    @classmethod
+    @abstractmethod
+    def from_dict(cls, raw: Any, source: str, graphs: Mapping[str, GraphEntry]) -> CompileRecord:
+        """The record engine.json (`source`) holds for an engine of these graphs; EngineFormatError naming the
+        field at fault."""
+
+
+# ---------------------------------------------------------------------- reading untrusted records
+def _record(raw: Any, source: str) -> JsonFields:
+    return JsonFields(raw, source, EngineFormatError, "build.compile.")
+
+
+def _per_graph(fields: JsonFields, key: str, graphs: Mapping[str, GraphEntry],
+               read: Callable[[JsonFields, str], T]) -> dict[str, T]:
+    """The JSON object at `key`: one entry per graph of the engine, each read by read(the object's fields, graph)."""
+    if sorted(fields.get(key, dict)) != sorted(graphs):
+        fields.fail(key, f"must have one entry per graph, {sorted(graphs)}", sorted(fields.raw[key]))
+    entries = fields.nested(key)
+    return {graph: read(entries, graph) for graph in graphs}
+
+
+def _objects(fields: JsonFields, key: str) -> list[JsonFields]:
+    """The JSON objects listed at `key` (at least one), each named by its place (key[i]) in messages."""
+    listed = fields.items(key, dict)
+    if not listed:
+        fields.fail(key, "must list at least one entry", listed)
+    return [JsonFields(raw, fields.source, fields.error, f"{fields.prefix}{key}[{i}].") for i, raw in enumerate(listed)]
+
+
+def _profiles(fields: JsonFields, graphs: Mapping[str, GraphEntry]) -> dict[str, tuple[Profile, ...]]:
+    """`profiles`: every graph's optimization profiles, in the engine's order, each of the graph's own inputs."""
+    def read(entries: JsonFields, graph: str) -> tuple[Profile, ...]:
+        inputs = {spec.name for spec in graphs[graph].inputs}
+        return tuple(Profile.read(profile, inputs) for profile in _objects(entries, graph))
+
+    return _per_graph(fields, "profiles", graphs, read)
+
+
+# ---------------------------------------------------------------------- ONNX Runtime
+@dataclass(frozen=True)
+class OnnxRuntimeCompiled(CompileRecord):
+    """ONNX Runtime compiles nothing ahead: the build only loads every graph. Its version, the execution providers
+    that loaded them, and, when none could, why (`not_loaded`: a bf16 engine with only the CPU provider here)."""
+
+    onnxruntime: str
+    providers_checked: tuple[str, ...]
+    not_loaded: str | None = None
+
+    @classmethod
+    def from_dict(cls, raw: Any, source: str, graphs: Mapping[str, GraphEntry]) -> OnnxRuntimeCompiled:
+        record = _record(raw, source)
+        return cls(record.get("onnxruntime", str), tuple(record.items("providers_checked", str)),
+                   record.get("not_loaded", str, None))
+
+
+# ---------------------------------------------------------------------- TensorRT
+@dataclass(frozen=True)
+class BuiltPlan:
+    """One graph's serialized TensorRT engine: its file in the engine folder, its size and its build seconds."""
+
+    plan: str
+    bytes: int
+    seconds: float
+
+    @classmethod
+    def read(cls, fields: JsonFields) -> BuiltPlan:
+        return cls(fields.get("plan", str), fields.integer("bytes", 0, MAX_COUNT), fields.number("seconds", 0))
+
+
+@dataclass(frozen=True)
+class TensorRTCompiled(CompileRecord):
+    """Every graph's optimization profiles (in the engine's order), the builder optimization level, the v4 plugin
+    nodes the preparation marked, and each graph's plan: `plans` None when the build stopped before TensorRT
+    (--onnx-only). `tensorrt`: the version that built the plans, or why none was built; `timing_cache`: the cache
+    the build read and wrote."""
+
+    profiles: dict[str, tuple[Profile, ...]]
+    optimization_level: int
+    plugin_nodes: dict[str, int]
+    plans: dict[str, BuiltPlan] | None
+    tensorrt: str
+    timing_cache: str | None = None
+
+    @classmethod
+    def from_dict(cls, raw: Any, source: str, graphs: Mapping[str, GraphEntry]) -> TensorRTCompiled:
+        record = _record(raw, source)
+        plans = record.get("plans", (dict, type(None)))
+        return cls(_profiles(record, graphs), record.integer("optimization_level", 0, 5),
+                   _per_graph(record, "plugin_nodes", graphs, lambda nodes, graph: nodes.integer(graph, 0, MAX_COUNT)),
+                   None if plans is None else _per_graph(record, "plans", graphs,
+                                                         lambda built, graph: BuiltPlan.read(built.nested(graph))),
+                   record.get("tensorrt", str), record.get("timing_cache", str, None))
+
+
+# ---------------------------------------------------------------------- MIGraphX
+@dataclass(frozen=True)
+class Variant:
+    """One graph as rewritten for MIGraphX's parser: its nodes and its opset."""
+
+    nodes: int
+    opset: int
+
+    @classmethod
+    def read(cls, fields: JsonFields) -> Variant:
+        return cls(fields.integer("nodes", 0, MAX_COUNT), fields.integer("opset", 1, 1000))
+
+
+@dataclass(frozen=True)
+class Program:
+    """One compiled MIGraphX program: the optimization profile it was compiled for and its file in the engine folder."""
+
+    profile: str
+    file: str
+
+    @classmethod
+    def read(cls, fields: JsonFields, profile: str) -> Program:
+        """The program engine.json lists in `profile`'s place: it must say it was compiled for that profile."""
+        program = cls(fields.get("profile", str), fields.get("file", str))
+        if program.profile != profile:
+            fields.fail("profile", f"must be {profile!r}: one program per optimization profile, in their order",
+                        program.profile)
+        return program
+
+
+@dataclass(frozen=True)
+class MIGraphXCompiled(CompileRecord):
+    """The allowlist the variants were checked against (MIGraphX's release and the sources it was read from), each
+    graph's variant and optimization profiles and, once compiled, one program per profile in the profiles' order:
+    `programs` None while compile_migraphx.sh, left in the engine folder, has yet to compile them on the ROCm
+    machine. `migraphx`: the version that compiled them, or why none did."""
+
+    allowlist: dict[str, Any]
+    variant: dict[str, Variant]
+    profiles: dict[str, tuple[Profile, ...]]
+    migraphx: str
+    programs: dict[str, tuple[Program, ...]] | None
+
+    @classmethod
+    def from_dict(cls, raw: Any, source: str, graphs: Mapping[str, GraphEntry]) -> MIGraphXCompiled:
+        record = _record(raw, source)
+        profiles = _profiles(record, graphs)
+
+        def programs(entries: JsonFields, graph: str) -> tuple[Program, ...]:
+            listed, names = _objects(entries, graph), [profile.name for profile in profiles[graph]]
+            if len(listed) != len(names):
+                entries.fail(graph, f"must list one program per optimization profile, {names}", len(listed))
+            return tuple(Program.read(program, name) for program, name in zip(listed, names))
+
+        compiled = record.get("programs", (dict, type(None)))
+        return cls(record.get("allowlist", dict),
+                   _per_graph(record, "variant", graphs, lambda variants, graph: Variant.read(variants.nested(graph))),
+                   profiles, record.get("migraphx", str),
+                   None if compiled is None else _per_graph(record, "programs", graphs, programs))
+
+
+# ---------------------------------------------------------------------- the registry
+@dataclass(frozen=True)
+class Backend:
+    """One backend: what the builder and the runtime need to know of it (the module doc says why each field)."""
+
+    name: str
+    session: str                          # its EngineSession class, in runtime/sessions/<name>.py
+    onnxruntime_options: bool             # whether that session takes ONNX Runtime's options (providers, threads)
+    shape_specialized: bool
+    quantized_in_place: frozenset[str]    # "fp8_block", "mxfp4"
+    compiled: type[CompileRecord]
+    dequantizes_at_load: bool = False
+    int8_experts: bool = False
+
+    @property
+    def builder(self) -> str:
+        """The builder module providing preflight, prepare_graph and compile_engine."""
+        return f"v4engine.builder.backends.{self.name}"
+
+    def session_class(self) -> type[EngineSession]:
+        """Its session class, imported now."""
+        return getattr(import_module(f".sessions.{self.name}", __package__), self.session)
+
+
+BACKENDS: dict[str, Backend] = {backend.name: backend for backend in (
+    # ONNX Runtime's CPU provider has no FP4 kernel, but an int8 MoE that is exact for MXFP4's values
+    Backend("onnxruntime", "OnnxRuntimeSession", onnxruntime_options=True, shape_specialized=False,
+            quantized_in_place=frozenset({"fp8_block", "mxfp4"}), compiled=OnnxRuntimeCompiled, dequantizes_at_load=True, int8_experts=True),
+    Backend("tensorrt", "TensorRTSession", onnxruntime_options=False, shape_specialized=True,
+            quantized_in_place=frozenset({"fp8_block", "mxfp4"}), compiled=TensorRTCompiled),
+    # MIGraphX reads neither FLOAT8E4M3FN nor blocked DequantizeLinear at its opset 19
+    Backend("migraphx", "MIGraphXSession", onnxruntime_options=False, shape_specialized=True,
+            quantized_in_place=frozenset(), compiled=MIGraphXCompiled),
+)}
+
+__all__ = ["Backend", "BACKENDS", "CompileRecord", "OnnxRuntimeCompiled", "TensorRTCompiled", "BuiltPlan",
+           "MIGraphXCompiled", "Variant", "Program"]

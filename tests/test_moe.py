@@ -1,0 +1,93 @@
+"""The routed MoE: only the chosen experts compute, and the result is the dense sum over every expert weighted by
+the dense routing matrix (zero for experts not chosen), in every realisation."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from v4engine.builder.model.v4 import MoE
+from v4engine.builder.tiny import TINY_CONFIGS
+from v4engine.plugins.moe import routed_experts, swiglu
+from v4engine.runtime.config import V4Config
+
+from test_ops import run_onnx
+
+LIMIT = 1.5          # small enough that both clamps bite on unit-scale activations
+
+
+def dense(x, indices, weights, w1, w2, w3, limit):
+    """Every expert on every token, weighted by the dense [T, E] routing matrix: what the export computed before
+    the MoE was routed (a repeated pick adds its weight)."""
+    route = torch.zeros(x.shape[0], w1.shape[0]).scatter_add(1, indices, weights)
+    h = swiglu(torch.einsum("td,eid->eti", x, w1), torch.einsum("td,eid->eti", x, w3), limit)
+    return torch.einsum("eti,edi->td", h * route.t().unsqueeze(-1), w2)
+
+
+def experts(gen, E=32, D=24, inter=16):
+    return (torch.randn(E, inter, D, generator=gen) / D ** 0.5, torch.randn(E, D, inter, generator=gen) / inter ** 0.5,
+            torch.randn(E, inter, D, generator=gen) / D ** 0.5)
+
+
+def picks(gen, T, E, k, repeats=False):
+    """Each token's k distinct experts (or, like a hash layer's table may, some repeated) and positive weights."""
+    indices = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+    if repeats:
+        indices[::3, 1] = indices[::3, 0]
+    return indices, torch.rand(T, k, generator=gen) + 0.1
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(0)
+
+
+@pytest.mark.parametrize("repeats", [False, True], ids=["distinct", "repeated picks"])
+def test_routed_equals_dense_with_many_more_experts_than_top_k(gen, repeats):
+    w1, w2, w3 = experts(gen)
+    x = 2 * torch.randn(40, 24, generator=gen)
+    indices, weights = picks(gen, 40, 32, 3, repeats)
+    got = routed_experts(x, indices, weights, w1, w2, w3, limit=LIMIT)
+    torch.testing.assert_close(got, dense(x, indices, weights, w1, w2, w3, LIMIT), rtol=0, atol=1e-5)
+
+
+def test_only_the_chosen_experts_are_read(gen):
+    """An expert nobody chose may hold anything, NaN included: the result does not change."""
+    w1, w2, w3 = experts(gen, E=8)
+    x = torch.randn(5, 24, generator=gen)
+    indices, weights = picks(gen, 5, 4, 2)                         # experts 4..7 never chosen
+    expected = routed_experts(x, indices, weights, w1, w2, w3, limit=LIMIT)
+    for w in (w1, w2, w3):
+        w[4:] = float("nan")
+    torch.testing.assert_close(routed_experts(x, indices, weights, w1, w2, w3, limit=LIMIT), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("T", [1, 7])
+def test_onnx_function_equals_the_reference(gen, T):
+    w1, w2, w3 = experts(gen)
+    x = 2 * torch.randn(T, 24, generator=gen)
+    indices, weights = picks(gen, T, 32, 4, repeats=True)
+    expected = routed_experts(x, indices, weights, w1, w2, w3, limit=LIMIT)
+    (got,) = run_onnx("RoutedExperts", [x, indices, weights, w1, w2, w3], {"limit": LIMIT}, [(torch.float32, 2)],
+                      plugin=False)
+    np.testing.assert_allclose(got, expected.numpy(), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["mixed", "flash_like"])
+def test_stacked_moe_equals_the_per_expert_moe(gen, name):
+    """What the export runs (StackedExperts) against the checkpoint's layout (one module per expert), scored and
+    hash layers alike."""
+    cfg = V4Config.from_dict(TINY_CONFIGS[name])
+    for hashed in (False, True):
+        moe = MoE(cfg, hashed).eval()
+        with torch.no_grad():
+            for p in moe.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+        if hashed:
+            moe.gate.tid2eid.copy_(torch.randint(0, cfg.n_routed_experts, moe.gate.tid2eid.shape, generator=gen))
+        x = 3 * torch.randn(2, 9, cfg.hidden_size, generator=gen)
+        ids = torch.randint(0, cfg.vocab_size, (2, 9), generator=gen)
+        with torch.no_grad():
+            expected = moe(x, ids)
+            moe.stack_experts()
+            torch.testing.assert_close(moe(x, ids), expected, rtol=0, atol=1e-5)

@@ -138,8 +138,8 @@ def stacked_expert_names(name: str, experts: int) -> list[str] | None:
 
 
 _STACKED = re.compile(r"(?P<ffn>.+\.ffn)\.routed\.(?P<w>w[123])")
-TREATMENTS = ("in place", "in place + cast", "fp8 in place + dequantize", "fp4 in place + dequantize",
-              "fp4 in place + int8 codes", "converted", "inline")
+TREATMENTS = ("in place", "in place + cast", "in place, gathered rows cast", "fp8 in place + dequantize",
+              "fp4 in place + dequantize", "fp4 in place + int8 codes", "converted", "inline")
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)            # the magnitudes of the e2m1 codes 0..7 (bit 3: sign)
 
 
@@ -189,7 +189,7 @@ def resident_form(treatment: str, backend: Backend, stored: int, elements: int, 
     an fp32 scale per 32."""
     dtype, size = _ACTIVATION_TYPES.get(data_type, ("", 0))
     width = elements * size
-    if treatment == "in place" or treatment == "fp4 in place + dequantize" or (
+    if treatment in ("in place", "in place, gathered rows cast", "fp4 in place + dequantize") or (
             treatment == "fp8 in place + dequantize" and not backend.dequantizes_at_load):
         return "as stored", stored
     if treatment == "fp4 in place + int8 codes":
@@ -208,15 +208,22 @@ class _Attacher:
         self.nodes: list[onnx.NodeProto] = []
         self.counts = dict.fromkeys(TREATMENTS, 0)
         self.groups: dict[str, WeightGroup] = {}
+        self.cast_rows: dict[str, tuple[str, int]] = {}     # gathered table -> (its stored initializer, row type)
         self._constants: set[str] = set()
 
-    def tensor(self, out: str, info: TensorInfo, shape: tuple[int, ...], data_type: int) -> None:
-        """`out` (of `shape` and `data_type`) from the checkpoint tensor `info` (same values, maybe a leading 1)."""
+    def tensor(self, out: str, info: TensorInfo, shape: tuple[int, ...], data_type: int, gathered: bool = False
+               ) -> None:
+        """`out` (of `shape` and `data_type`) from the checkpoint tensor `info` (same values, maybe a leading 1).
+        gathered: the graph only gathers rows of `out` (an embedding); a plain tensor stored in another type then
+        stays as stored and the gathered rows are cast (`cast_rows`), not the whole table."""
         if info.format != "plain" and info.format not in self.backend.quantized_in_place:   # dequantized here
             values = self.ckpt.load(info.name, dtype=_TORCH_OF_ONNX[data_type]).reshape(shape)
             self.initializers.append(_external(out, data_type, shape,
                                                *self.writer.convert(values.view(_BITS[values.element_size()]).numpy())))
             treatment = "converted"
+        elif info.format == "plain" and gathered and _ONNX_TYPE[info.dtype] != data_type:
+            self.cast_rows[out] = (self._in_place(f"{out}.stored", _ONNX_TYPE[info.dtype], shape, info), data_type)
+            treatment = "in place, gathered rows cast"
         elif info.format == "plain":
             stored = _ONNX_TYPE[info.dtype]
             as_stored = self._in_place(out if stored == data_type else f"{out}.stored", stored, shape, info)
@@ -359,6 +366,7 @@ def attach_weights(proto: onnx.ModelProto, ckpt: Checkpoint, cfg: V4Config, writ
     become int8 codes (`int8_experts`). Returns counts per treatment and the bytes by weight group."""
     graph = proto.graph
     attach = _Attacher(ckpt, writer, backend)
+    gathered = _gathered_only(graph)
     for tensor in graph.initializer:
         name = tensor.name.removeprefix(prefix)
         table = rope_table(cfg, name)
@@ -371,10 +379,31 @@ def attach_weights(proto: onnx.ModelProto, ckpt: Checkpoint, cfg: V4Config, writ
         elif experts is not None:
             attach.stacked(tensor.name, [ckpt.info(e) for e in experts], shape, tensor.data_type)
         else:
-            attach.tensor(tensor.name, ckpt.info(name), shape, tensor.data_type)
+            attach.tensor(tensor.name, ckpt.info(name), shape, tensor.data_type, tensor.name in gathered)
     del graph.initializer[:]
     graph.initializer.extend(attach.initializers)
-    old = list(graph.node)
+    old = [new for node in graph.node for new in _rows_cast(node, attach.cast_rows)]
     del graph.node[:]
     graph.node.extend(attach.nodes + old)
     return attach.counts, attach.groups
+
+
+def _gathered_only(graph: onnx.GraphProto) -> set[str]:
+    """Initializers the graph reads only as the data of Gather nodes (embedding tables)."""
+    readers: dict[str, set[bool]] = {}
+    for node in graph.node:
+        for i, value in enumerate(node.input):
+            readers.setdefault(value, set()).add(node.op_type == "Gather" and i == 0)
+    return {t.name for t in graph.initializer if readers.get(t.name) == {True}}
+
+
+def _rows_cast(node: onnx.NodeProto, cast_rows: dict[str, tuple[str, int]]) -> list[onnx.NodeProto]:
+    """A Gather of a table kept as stored: the Gather of the stored table, then its rows cast; any other node as is."""
+    if node.op_type != "Gather" or node.input[0] not in cast_rows:
+        return [node]
+    stored, data_type = cast_rows[node.input[0]]
+    rows = f"{node.output[0]}.stored_rows"
+    gather = onnx.NodeProto()
+    gather.CopyFrom(node)
+    gather.input[0], gather.output[0] = stored, rows
+    return [gather, helper.make_node("Cast", [rows], [node.output[0]], to=data_type)]

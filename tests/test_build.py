@@ -59,6 +59,18 @@ def test_weights_are_referenced_not_copied(bf16_engine):
     print(f"graphs + manifest: {engine_bytes} bytes beside {checkpoint_bytes} bytes of referenced weights")
 
 
+def test_an_embedding_stays_as_stored_and_only_its_gathered_rows_are_cast(bf16_engine):
+    """A bf16 table the graph only gathers from is not widened at load: the Gather reads the stored table, a Cast
+    follows it; engine.json says the embedding is resident as stored."""
+    checkpoint, out, manifest = bf16_engine
+    nodes = onnx.load(out / "target.onnx", load_external_data=False).graph.node
+    gather = next(n for n in nodes if n.op_type == "Gather" and n.input[0] == "model.embed.weight.stored")
+    assert [n.op_type for n in nodes if gather.output[0] in n.input] == ["Cast"]
+    assert not any("model.embed.weight.stored" in n.input for n in nodes if n.op_type == "Cast")
+    assert manifest.build["weight_groups"]["target"]["embedding"]["resident"] == {
+        "as stored": manifest.build["weight_groups"]["target"]["embedding"]["stored"]["bf16"]}
+
+
 def test_fp32_weights_are_referenced_without_a_cast(tiny_checkpoint, tmp_path):
     checkpoint = tiny_checkpoint("split_groups")
     manifest = build(BuildOptions(checkpoint=checkpoint, output=tmp_path / "e", mtp=0, progress=False))

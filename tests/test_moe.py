@@ -6,9 +6,14 @@ import numpy as np
 import pytest
 import torch
 
+from v4engine.builder.build import BuildOptions, build
+from v4engine.builder.load import load_model
+from v4engine.builder.model import ModelState
 from v4engine.builder.model.v4 import MoE
+from v4engine.builder.oracle import oracle_accepted_counts
 from v4engine.builder.tiny import TINY_CONFIGS
 from v4engine.plugins.moe import routed_experts, swiglu
+from v4engine.runtime import Generator, SamplingParams
 from v4engine.runtime.config import V4Config
 
 from test_ops import run_onnx
@@ -91,3 +96,37 @@ def test_stacked_moe_equals_the_per_expert_moe(gen, name):
             expected = moe(x, ids)
             moe.stack_experts()
             torch.testing.assert_close(moe(x, ids), expected, rtol=0, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def mxfp4_engine(tiny_checkpoint, tmp_path_factory):
+    checkpoint = tiny_checkpoint("flash_like", quantize="mxfp4")
+    out = tmp_path_factory.mktemp("mxfp4") / "engine"
+    build(BuildOptions(checkpoint=checkpoint, output=out, mtp=2, progress=False))
+    return checkpoint, out
+
+
+@torch.no_grad()
+def model_greedy(model, ids: list[int], n: int) -> list[int]:
+    """Our PyTorch model (MXFP4 experts dequantized, every expert module), full recompute each step."""
+    seq = list(ids)
+    for _ in range(n):
+        state = ModelState(model.cfg, 1)
+        seq.append(int(model(torch.tensor([seq]), state.positions(len(seq)), state.views()).logits[0, -1].argmax()))
+    return seq[len(ids):]
+
+
+def test_an_mxfp4_engine_generates_what_the_model_does_at_every_draft_length(mxfp4_engine):
+    """ONNX Runtime's QMoE over the experts as stored (int8 codes made at load), target and MTP layer alike: greedy
+    tokens equal the model's for MTP 0..2, and each verify accepts what the oracle accepts."""
+    checkpoint, engine = mxfp4_engine
+    model = load_model(checkpoint, mtp=True)
+    ids = torch.randint(0, model.cfg.vocab_size, (37,), generator=torch.Generator().manual_seed(3)).tolist()
+    expected = model_greedy(model, ids, 16)
+    for k in range(3):
+        [result] = Generator.from_engine_dir(engine, mtp=k).generate(
+            [ids], SamplingParams(max_new_tokens=16, ignore_eos=True))
+        assert result.token_ids == expected, f"MTP {k}"
+        if k:
+            accepted = result.metrics["accepted_per_step"]
+            assert accepted == oracle_accepted_counts(model, ids, k, 16)[: len(accepted)]

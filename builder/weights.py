@@ -11,10 +11,10 @@ StackedExperts weight [E, out, in], which is the experts' own tensors as [1, out
 - MXFP4 experts: for TensorRT FLOAT4E2M1 in place, their E8M0 scales in place too, 2^(e-127) computed in the
   graph, and a blocked DequantizeLinear (block 32). For ONNX Runtime, which has no FP4 kernel but an exact int8
   MoE (`int8_experts`), the stored bytes stay in place too and the graph widens them: each e2m1 code c becomes
-  the uint8 128 + 2c through a 256-entry table, each scale 2^(e-128), stacked per layer; ONNX Runtime folds that
-  at load, so the engine folder holds no copy of any expert (builder/backends/onnxruntime.py runs them). Each
-  backend says which quantized formats it keeps (`quantized_in_place`); the others are dequantized into the
-  converted file.
+  the uint8 128 + 2c through a table (int8_code_table), each scale 2^(e-128), stacked per layer; ONNX Runtime
+  folds that at load, so the engine folder holds no copy of any expert (builder/backends/onnxruntime.py runs
+  them). Each backend says which quantized formats it keeps (`quantized_in_place`); the others are dequantized
+  into the converted file.
 The engine folder reaches the checkpoint's files through `weights/`: hard links where the filesystem
 allows (true zero copy, any consumer reads them), symlinks otherwise (the runtime hands those to ONNX
 Runtime from memory maps, since ONNX Runtime refuses external data outside the model folder).
@@ -144,10 +144,13 @@ E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)            # the magnitudes of t
 
 
 def int8_code_table() -> np.ndarray:
-    """[256, 2] uint8: for a byte of two packed e2m1 codes (low nibble first), each code c as 128 + 2c. With the
-    scale 2^(e-128) and zero point 128 that is c * 2^(e-127) exactly: 2c is an integer in [-12, 12]."""
+    """[65536, 4] uint8: for two packed bytes read as one little-endian uint16 (four e2m1 codes, lowest nibble
+    first), each code c as 128 + 2c. With the scale 2^(e-128) and zero point 128 that is c * 2^(e-127) exactly: 2c
+    is an integer in [-12, 12]. Four codes per index halve the int32 indices ONNX Runtime's Gather needs, which are
+    the largest thing folded at load."""
     nibble = np.array([128 + (-2 if n & 8 else 2) * E2M1[n & 7] for n in range(16)], np.uint8)
-    return np.stack([nibble[np.arange(256) & 15], nibble[np.arange(256) >> 4]], axis=1)
+    pairs = np.arange(65536)
+    return np.stack([nibble[(pairs >> shift) & 15] for shift in (0, 4, 8, 12)], axis=1)
 
 
 @dataclass
@@ -254,12 +257,13 @@ class _Attacher:
         """MXFP4 experts as an exact int8 MoE's uint8 codes `out.codes` [E, rows, cols] (zero point 128) and fp32
         scales `out.scales` [E, rows, cols / 32], made in the graph from the stored bytes, layer-wide (a handful of
         nodes whatever the expert count). `experts`: one list of the E experts' tensors, or two (gate and up):
-        ONNX Runtime's fc1 holds their rows interleaved, done here on the packed bytes, before they widen."""
+        ONNX Runtime's fc1 holds their rows interleaved, done here on the packed bytes, before they widen. The
+        packed bytes are read two at a time, as UINT16 (int8_code_table)."""
         parts = []
         for part, infos in enumerate(experts):
             packed, exponents = [f"{out}.{part}.{e}.fp4" for e in range(len(infos))], []
             for name, info in zip(packed, infos):
-                self._in_place(name, TensorProto.UINT8, (1, rows, cols // 2), info)
+                self._in_place(name, TensorProto.UINT16, (1, rows, cols // 4), info)
                 exponents.append(self._in_place(f"{name}.e8m0", TensorProto.UINT8, (1, rows, cols // MXFP4_BLOCK),
                                                 info.scale))
             self.nodes += [helper.make_node("Concat", packed, [f"{out}.{part}.fp4"], axis=0),
@@ -267,7 +271,7 @@ class _Attacher:
             parts.append(f"{out}.{part}")
         experts_count, rows = len(experts[0]), rows * len(experts)
         fp4, e8m0 = (self._interleave([f"{p}.{kind}" for p in parts], f"{out}.{kind}", (experts_count, rows, width))
-                     for kind, width in (("fp4", cols // 2), ("e8m0", cols // MXFP4_BLOCK)))
+                     for kind, width in (("fp4", cols // 4), ("e8m0", cols // MXFP4_BLOCK)))
         self._constant("v4.e2m1_int8", int8_code_table())
         codes_shape = self._constant(f"v4.shape_{experts_count}x{rows}x{cols}",
                                      np.array([experts_count, rows, cols], np.int64))

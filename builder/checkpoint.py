@@ -55,8 +55,8 @@ FP8_QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "u
                            "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
 _FP8_MAX = 448.0
 _E2M1_MAX = 6.0
-_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-_E2M1 = torch.tensor(_E2M1_VALUES + tuple(-v for v in _E2M1_VALUES), dtype=torch.float32)
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_E2M1 = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32)
 MAX_SHARDS = 4096            # safetensors files one checkpoint may list (V4-Pro: 64); each is mapped at once
 
 # Canonical (official release) names.
@@ -533,7 +533,7 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = w.view(out, inp // MXFP4_BLOCK, MXFP4_BLOCK)
     k = _e8m0_exponent(blocks.abs().amax(dim=-1), _E2M1_MAX)
     q = blocks / torch.ldexp(torch.ones_like(k, dtype=torch.float32), k.float()).unsqueeze(-1)
-    midpoints = torch.tensor([(a + b) / 2 for a, b in zip(_E2M1_VALUES, _E2M1_VALUES[1:])])
+    midpoints = torch.tensor([(a + b) / 2 for a, b in zip(E2M1_VALUES, E2M1_VALUES[1:])])
     lo = torch.searchsorted(midpoints, q.abs(), right=False)
     hi = torch.searchsorted(midpoints, q.abs(), right=True)
     code = torch.where(lo % 2 == 0, lo, hi)  # lo != hi only on a tie: take the even code

@@ -38,7 +38,7 @@ from v4engine.runtime.backends import Backend
 from v4engine.runtime.config import V4Config
 from v4engine.runtime.engine import WeightFile
 
-from .checkpoint import FP8_BLOCK, MXFP4_BLOCK, Checkpoint, TensorInfo
+from .checkpoint import E2M1_VALUES, FP8_BLOCK, MXFP4_BLOCK, Checkpoint, TensorInfo
 from .export import rope_table
 
 _ONNX_TYPE = {"F32": TensorProto.FLOAT, "F16": TensorProto.FLOAT16, "BF16": TensorProto.BFLOAT16,
@@ -140,7 +140,6 @@ def stacked_expert_names(name: str, experts: int) -> list[str] | None:
 _STACKED = re.compile(r"(?P<ffn>.+\.ffn)\.routed\.(?P<w>w[123])")
 TREATMENTS = ("in place", "in place + cast", "in place, gathered rows cast", "fp8 in place + dequantize",
               "fp4 in place + dequantize", "fp4 in place + int8 codes", "converted", "inline")
-E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)            # the magnitudes of the e2m1 codes 0..7 (bit 3: sign)
 
 
 def int8_code_table() -> np.ndarray:
@@ -148,7 +147,7 @@ def int8_code_table() -> np.ndarray:
     first), each code c as 128 + 2c. With the scale 2^(e-128) and zero point 128 that is c * 2^(e-127) exactly: 2c
     is an integer in [-12, 12]. Four codes per index halve the int32 indices ONNX Runtime's Gather needs, which are
     the largest thing folded at load."""
-    nibble = np.array([128 + (-2 if n & 8 else 2) * E2M1[n & 7] for n in range(16)], np.uint8)
+    nibble = np.array([128 + (-2 if n & 8 else 2) * E2M1_VALUES[n & 7] for n in range(16)], np.uint8)
     pairs = np.arange(65536)
     return np.stack([nibble[(pairs >> shift) & 15] for shift in (0, 4, 8, 12)], axis=1)
 

@@ -9,8 +9,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from v4engine.builder.checkpoint import FP8_BLOCK, MXFP4_BLOCK, quantize_fp8_block, quantize_mxfp4  # noqa: E402
-from v4engine.builder.weights import E2M1  # noqa: E402
+from v4engine.builder.checkpoint import (E2M1_VALUES, FP8_BLOCK, MXFP4_BLOCK, quantize_fp8_block,  # noqa: E402
+                                         quantize_mxfp4)
 from v4engine.plugins import moe  # noqa: E402
 from v4engine.plugins.kernels.moe import BLOCK_T, routed_experts  # noqa: E402
 
@@ -44,7 +44,7 @@ def fp8(w):
 def mxfp4(w):
     """MXFP4 weights as the kernel takes them (packed codes, fp32 scale per 32 inputs) and their float values."""
     stored, scales, values = [], [], []
-    table = torch.tensor(E2M1)
+    table = torch.tensor(E2M1_VALUES)
     for expert in w:
         packed, e8m0 = quantize_mxfp4(expert)
         codes = torch.stack([packed.view(torch.uint8) & 15, packed.view(torch.uint8) >> 4], -1).flatten(-2).long()

@@ -94,14 +94,15 @@ def grouped_moe(model: onnx.ModelProto) -> int:
                       "swiglu_limit": next(a.f for a in node.attribute if a.name == "limit")}
         fc1 = w1.removesuffix(".w1") + ".fc1"
         if f"{fc1}.codes" in produced:
-            chosen, mixing = _router(nodes, x, indices, weights, f"{w2}.codes", name)
+            mixing = _router(nodes, x, indices, weights, f"{w2}.codes", name)
+            chosen = _chosen(nodes, indices, name)
             inputs = [x, chosen, f"{fc1}.codes", f"{fc1}.scales", "", f"{w2}.codes", f"{w2}.scales"] + [""] * 7 + [mixing]
             nodes.append(helper.make_node("QMoE", inputs, [out], name=name, domain=MICROSOFT, **attributes,
                                           **INT8_ATTRIBUTES))
         else:
             if narrow:
                 w1, w2, w3 = (_to_fp32(nodes, w) for w in (w1, w2, w3))
-            chosen, mixing = _router(nodes, x, indices, weights, w2, name)
+            mixing = _router(nodes, x, indices, weights, w2, name)
             nodes += [helper.make_node("Log", [mixing], [f"{name}.log_mixing"]),
                       helper.make_node("MoE", [x, f"{name}.log_mixing", _fc1(nodes, w1, w3), "", w2],
                                        [f"{name}.shares"], name=name, domain=MICROSOFT, **attributes),
@@ -136,20 +137,24 @@ def _fc1(nodes: list[onnx.NodeProto], w1: str, w3: str) -> str:
     return out
 
 
-def _router(nodes: list[onnx.NodeProto], x: str, indices: str, weights: str, experts: str, name: str
-            ) -> tuple[str, str]:
-    """Our router's choice as ONNX Runtime's MoE takes it: (1 at each token's chosen experts and 0 elsewhere,
-    the mixing weights at them, a repeated pick's added), both [T, E]; `experts` is any [E, ...] weight."""
+def _router(nodes: list[onnx.NodeProto], x: str, indices: str, weights: str, experts: str, name: str) -> str:
+    """Our router's mixing weights as ONNX Runtime's MoE takes them: [T, E], a repeated pick's weights added, 0 at
+    unchosen experts (`{name}.zeros`, [T, E], stays for _chosen); `experts` is any [E, ...] weight."""
     nodes += [helper.make_node("Shape", [x], [f"{name}.tokens"], end=1),
               helper.make_node("Shape", [experts], [f"{name}.experts"], end=1),
               helper.make_node("Concat", [f"{name}.tokens", f"{name}.experts"], [f"{name}.route_shape"], axis=0),
               helper.make_node("ConstantOfShape", [f"{name}.route_shape"], [f"{name}.zeros"],
                                value=numpy_helper.from_array(np.zeros(1, np.float32))),
-              helper.make_node("Shape", [indices], [f"{name}.picks_shape"]),
+              helper.make_node("ScatterElements", [f"{name}.zeros", indices, weights], [f"{name}.mixing"], axis=1,
+                               reduction="add")]
+    return f"{name}.mixing"
+
+
+def _chosen(nodes: list[onnx.NodeProto], indices: str, name: str) -> str:
+    """QMoE's router_probs: 1 at each token's chosen experts, 0 elsewhere (after _router, whose zeros it reuses)."""
+    nodes += [helper.make_node("Shape", [indices], [f"{name}.picks_shape"]),
               helper.make_node("ConstantOfShape", [f"{name}.picks_shape"], [f"{name}.ones"],
                                value=numpy_helper.from_array(np.ones(1, np.float32))),
               helper.make_node("ScatterElements", [f"{name}.zeros", indices, f"{name}.ones"], [f"{name}.chosen"],
-                               axis=1, reduction="max"),
-              helper.make_node("ScatterElements", [f"{name}.zeros", indices, weights], [f"{name}.mixing"], axis=1,
-                               reduction="add")]
-    return f"{name}.chosen", f"{name}.mixing"
+                               axis=1, reduction="max")]
+    return f"{name}.chosen"

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from v4engine.plugins import DOMAIN, OPSET, onnx_functions
 from v4engine.plugins.sinkhorn import NAME as SINKHORN
-from v4engine.runtime.backends import BACKENDS
+from v4engine.runtime.backends import BACKENDS, INT8_CODES, STORED_BYTES
 from v4engine.runtime.engine import (ACTIVATION_DTYPES, BUILT_LIMIT_DEFAULTS, FORMAT, MANIFEST, MAX_MTP, VALUE_BYTES,
                                      EngineManifest, GraphEntry, check_limits)
 from v4engine.runtime.layout import CacheLayout, graph_specs
@@ -37,7 +37,7 @@ from .backends.tensorrt import TIMING_CACHE
 from .checkpoint import checkpoint_file
 from .export import export_graph, split_sequences
 from .load import open_checkpoint
-from .weights import WeightGroup, WeightWriter, attach_weights, serialize_without_data
+from .weights import WeightGroup, WeightWriter, attach_weights, expert_form, serialize_without_data
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
@@ -186,9 +186,13 @@ def _experts(expert_dtype: str | None, backend: str) -> str:
     if fmt is None:
         return "as stored, in place"
     name = "MXFP4" if fmt == "mxfp4" else "FP8"
-    if fmt == "mxfp4" and BACKENDS[backend].int8_experts:
+    form = expert_form(BACKENDS[backend], fmt)
+    if form == INT8_CODES:
         return ("MXFP4 routed experts kept in place; the graph widens them at load to the exact int8 codes (128 + 2c) "
                 "and 2^(e-128) scales of ONNX Runtime's QMoE")
+    if form == STORED_BYTES:
+        return (f"{name} routed experts kept in place as their bytes with float32 scales; the MoE dequantizes only "
+                "the chosen experts")
     if fmt in QUANTIZED_IN_PLACE[backend]:
         return f"{name} routed experts kept {name} in place: blocked DequantizeLinear, scales in place or as float rows"
     return f"{name} routed experts dequantized to the activation dtype into weights/converted.bin"

@@ -24,6 +24,7 @@ from pathlib import Path, PurePosixPath
 import numpy as np
 import torch
 
+from v4engine.plugins.moe import E2M1_VALUES, FP8_BLOCK, MXFP4_BLOCK
 from v4engine.runtime.errors import V4EngineError
 from v4engine.runtime.untrusted import (HeaderError, JsonFields, in_blob_store, open_regular, read_header,
                                         read_json, shown)
@@ -48,14 +49,11 @@ def dtype_bytes(dtype: str) -> int:
 
 _INTEGER_DTYPES = {"BOOL", "U8", "I8", "I16", "I32", "I64"}
 _FP8_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
-FP8_BLOCK = 128
-MXFP4_BLOCK = 32
 # config.json's quantization_config of a release (and of the quantized checkpoints v4build writes)
 FP8_QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "activation_scheme": "dynamic",
                            "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
 _FP8_MAX = 448.0
 _E2M1_MAX = 6.0
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _E2M1 = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32)
 MAX_SHARDS = 4096            # safetensors files one checkpoint may list (V4-Pro: 64); each is mapped at once
 

@@ -8,13 +8,19 @@ StackedExperts weight [E, out, in], which is the experts' own tensors as [1, out
 - FP8 e4m3 block weights stay FP8 and in place: a blocked DequantizeLinear (last axis, block 128) follows;
   its float32 scales (the 128x128 e8m0 grid, expanded along the output axis as ONNX blocked
   quantization wants) go to the converted-weights file.
-- MXFP4 experts: for TensorRT FLOAT4E2M1 in place, their E8M0 scales in place too, 2^(e-127) computed in the
-  graph, and a blocked DequantizeLinear (block 32). For ONNX Runtime, which has no FP4 kernel but an exact int8
-  MoE (`int8_experts`), the stored bytes stay in place too and the graph widens them: each e2m1 code c becomes
-  the uint8 128 + 2c through a table (int8_code_table), each scale 2^(e-128), stacked per layer; ONNX Runtime
-  folds that at load, so the engine folder holds no copy of any expert (builder/backends/onnxruntime.py runs
-  them). Each backend says which quantized formats it keeps (`quantized_in_place`); the others are dequantized
-  into the converted file.
+- MXFP4 weights outside the experts: FLOAT4E2M1 in place, their E8M0 scales in place too, 2^(e-127) computed in
+  the graph, and a blocked DequantizeLinear (block 32).
+- Quantized routed experts take the form the backend's MoE reads (`Backend.expert_weights`):
+  - INT8_CODES (ONNX Runtime, which has no FP4 kernel but an exact int8 MoE): the MXFP4 bytes stay in place and
+    the graph widens them: each e2m1 code c becomes the uint8 128 + 2c through a table (int8_code_table), each
+    scale 2^(e-128), stacked per layer; ONNX Runtime folds that at load, so the engine folder holds no copy of any
+    expert (builder/backends/onnxruntime.py runs them);
+  - STORED_BYTES (TensorRT, whose plugin dequantizes inside its kernel): the bytes in place as int8, one Concat
+    per layer (`…routed.w1.mxfp4` or `.fp8`), and fp32 scales beside them (`….mxfp4_scale`: 2^(e-127) from the
+    E8M0 bytes in place; `….fp8_scale`: the rows of the 128x128 grid, converted);
+  - STACKED: as any weight, then stacked [E, out, in] for the op's function.
+  Each backend says which quantized formats it keeps (`quantized_in_place`); the others are dequantized into the
+  converted file.
 The engine folder reaches the checkpoint's files through `weights/`: hard links where the filesystem
 allows (true zero copy, any consumer reads them), symlinks otherwise (the runtime hands those to ONNX
 Runtime from memory maps, since ONNX Runtime refuses external data outside the model folder).
@@ -34,7 +40,11 @@ import onnx_ir as ir
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from v4engine.runtime.backends import Backend
+from v4engine.plugins import DOMAIN
+from v4engine.plugins.moe import NAME as ROUTED_EXPERTS
+from v4engine.plugins.moe import PLUGIN_FUNCTIONS as EXPERT_FUNCTIONS
+from v4engine.plugins.moe import QUANTIZED_FUNCTIONS
+from v4engine.runtime.backends import INT8_CODES, STORED_BYTES, Backend
 from v4engine.runtime.config import V4Config
 from v4engine.runtime.engine import WeightFile
 
@@ -139,7 +149,9 @@ def stacked_expert_names(name: str, experts: int) -> list[str] | None:
 
 _STACKED = re.compile(r"(?P<ffn>.+\.ffn)\.routed\.(?P<w>w[123])")
 TREATMENTS = ("in place", "in place + cast", "in place, gathered rows cast", "fp8 in place + dequantize",
-              "fp4 in place + dequantize", "fp4 in place + int8 codes", "converted", "inline")
+              "fp4 in place + dequantize", "fp4 in place + int8 codes", "fp8 in place, bytes for the kernel",
+              "fp4 in place, bytes for the kernel", "converted", "inline")
+STORED_FORMATS = {"fp8_block": "fp8", "mxfp4": "mxfp4"}       # checkpoint format -> the stored experts' value suffix
 
 
 def int8_code_table() -> np.ndarray:
@@ -196,6 +208,10 @@ def resident_form(treatment: str, backend: Backend, stored: int, elements: int, 
         return "as stored", stored
     if treatment == "fp4 in place + int8 codes":
         return "int8 codes + float32 scales, made at load", elements + elements // MXFP4_BLOCK * 4
+    if treatment == "fp4 in place, bytes for the kernel":
+        return "as stored + float32 scales", elements // 2 + elements // MXFP4_BLOCK * 4
+    if treatment == "fp8 in place, bytes for the kernel":
+        return "as stored + float32 scales", elements + -(-elements // FP8_BLOCK) * 4
     if treatment == "converted":
         return f"{dtype}, memory-mapped from converted.bin", width
     return f"{dtype}, made at load", width
@@ -251,6 +267,31 @@ class _Attacher:
         for part, info in zip(parts, infos):
             self.tensor(part, info, (1,) + shape[1:], data_type)
         self.nodes.append(helper.make_node("Concat", parts, [out], axis=0))
+
+    def stored_bytes(self, out: str, infos: list[TensorInfo], shape: tuple[int, ...]) -> None:
+        """Quantized experts [E, rows, cols] as their stored bytes, int8 `out.{fp8|mxfp4}` [E, rows, stored cols],
+        and fp32 scales `out.{fp8|mxfp4}_scale` [E, rows, blocks]: the bytes in place, one Concat each."""
+        fmt = infos[0].format
+        suffix, (rows, cols) = STORED_FORMATS[fmt], shape[1:]
+        packed, scales = [f"{out}.{e}.{suffix}" for e in range(len(infos))], []
+        for name, info in zip(packed, infos):
+            self._in_place(name, TensorProto.INT8, (1, rows, cols // 2 if fmt == "mxfp4" else cols), info)
+            if fmt == "mxfp4":
+                scales.append(self._in_place(f"{name}.e8m0", TensorProto.UINT8, (1, rows, cols // MXFP4_BLOCK),
+                                             info.scale))
+            else:
+                grid = fp8_scale_rows(self.ckpt, info)[None]
+                self.initializers.append(_external(f"{name}.scale", TensorProto.FLOAT, grid.shape,
+                                                   *self.writer.convert(grid)))
+                scales.append(f"{name}.scale")
+        self.nodes.append(helper.make_node("Concat", packed, [f"{out}.{suffix}"], axis=0))
+        if fmt == "mxfp4":
+            self.nodes.append(helper.make_node("Concat", scales, [f"{out}.e8m0"], axis=0))
+            self._powers_of_two(f"{out}.e8m0", f"{out}.mxfp4_scale", bias=127.0)
+        else:
+            self.nodes.append(helper.make_node("Concat", scales, [f"{out}.fp8_scale"], axis=0))
+        treatment = "fp4 in place, bytes for the kernel" if fmt == "mxfp4" else "fp8 in place, bytes for the kernel"
+        self._account(treatment, infos, math.prod(shape), TensorProto.INT8)
 
     def int8_codes(self, out: str, experts: list[list[TensorInfo]], rows: int, cols: int) -> None:
         """MXFP4 experts as an exact int8 MoE's uint8 codes `out.codes` [E, rows, cols] (zero point 128) and fp32
@@ -362,11 +403,47 @@ def _int8_experts(attach: _Attacher, ckpt: Checkpoint, name: str, experts: list[
         attach.int8_codes(name, [[ckpt.info(e) for e in experts]], *shape[1:])
 
 
+def expert_form(backend: Backend, fmt: str) -> str | None:
+    """The form the backend's MoE reads experts of checkpoint format `fmt` in (expert_weights), or None: stacked.
+    INT8_CODES holds MXFP4 only (an integer code cannot hold e4m3 exactly) and needs the format kept in place;
+    STORED_BYTES are plain int8 bytes, which any backend holds (MIGraphX, which reads no FP8 or FP4 type, too)."""
+    if backend.expert_weights == STORED_BYTES and fmt in STORED_FORMATS:
+        return STORED_BYTES
+    if backend.expert_weights == INT8_CODES and fmt == "mxfp4" and "mxfp4" in backend.quantized_in_place:
+        return INT8_CODES
+    return None
+
+
+EXPERT_OPS = {f.name for f in EXPERT_FUNCTIONS}
+
+
+def use_stored_experts(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    """Each v4::RoutedExperts node whose experts attach_weights gave as stored bytes (`…w1.fp8` or `….mxfp4` is
+    made in the graph) becomes the op that takes them (Fp8RoutedExperts, Mxfp4RoutedExperts), in place; returns
+    every routed-experts node, rewritten or not."""
+    produced = {out for node in model.graph.node for out in node.output}
+    found = []
+    for node in model.graph.node:
+        if node.domain != DOMAIN or node.op_type not in EXPERT_OPS:
+            continue
+        found.append(node)
+        if node.op_type != ROUTED_EXPERTS:                   # rewritten before (a prepared graph, prepared again)
+            continue
+        x, indices, weights, w1, w2, w3 = node.input
+        fmt = next((f for f in STORED_FORMATS.values() if f"{w1}.{f}" in produced), None)
+        if fmt is not None:
+            node.op_type = QUANTIZED_FUNCTIONS[fmt].name
+            del node.input[:]
+            node.input.extend([x, indices, weights] + [f"{w}.{fmt}{part}" for w in (w1, w2, w3)
+                                                       for part in ("", "_scale")])
+    return found
+
+
 def attach_weights(proto: onnx.ModelProto, ckpt: Checkpoint, cfg: V4Config, writer: WeightWriter, backend: Backend,
                    prefix: str = "model.") -> tuple[dict[str, int], dict[str, WeightGroup]]:
     """Give every initializer its bytes (see module doc), the backend's way: the quantized formats it keeps in
-    place (`quantized_in_place`; the others are dequantized into the converted file) and whether MXFP4 experts
-    become int8 codes (`int8_experts`). Returns counts per treatment and the bytes by weight group."""
+    place (`quantized_in_place`; the others are dequantized into the converted file) and the form of quantized
+    experts (`expert_weights`). Returns counts per treatment and the bytes by weight group."""
     graph = proto.graph
     attach = _Attacher(ckpt, writer, backend)
     gathered = _gathered_only(graph)
@@ -377,8 +454,10 @@ def attach_weights(proto: onnx.ModelProto, ckpt: Checkpoint, cfg: V4Config, writ
         experts = stacked_expert_names(name, cfg.n_routed_experts)
         if table is not None:
             attach.inline(numpy_helper.from_array(table.numpy(), tensor.name))
-        elif experts is not None and backend.int8_experts and ckpt.info(experts[0]).format == "mxfp4":
+        elif experts is not None and expert_form(backend, ckpt.info(experts[0]).format) == INT8_CODES:
             _int8_experts(attach, ckpt, tensor.name, experts, shape)
+        elif experts is not None and expert_form(backend, ckpt.info(experts[0]).format) == STORED_BYTES:
+            attach.stored_bytes(tensor.name, [ckpt.info(e) for e in experts], shape)
         elif experts is not None:
             attach.stacked(tensor.name, [ckpt.info(e) for e in experts], shape, tensor.data_type)
         else:

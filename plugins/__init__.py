@@ -2,27 +2,29 @@
 
 Every op has a PyTorch reference (what eager code runs), a `v4::Name` node under ONNX export, and an ONNX
 function of standard ops (its lowering, inlined by ONNX Runtime and MIGraphX). TensorRT plugins of the same
-names come with the TensorRT backend (plugins/tensorrt). Two ops are only ever their functions, never plugins:
-mHC's Sinkhorn rounds (sinkhorn.py), an op so that the export does not trace them layer by layer, and the routed
-experts (moe.py), which ONNX Runtime replaces by its own grouped MoE.
+names come with the TensorRT backend (plugins/tensorrt): AOT_OPS run an ahead-of-time Triton kernel there, the
+routed experts (moe.py) run their kernels' torch launcher just in time (four launches and their scratch, which
+one AOT plugin cannot have). The export marks the routed experts as no plugin: ONNX Runtime replaces them by its
+own grouped MoE, MIGraphX by its MoE, and the TensorRT preparation makes them plugin nodes. One op is only ever
+its function: mHC's Sinkhorn rounds (sinkhorn.py), an op so that the export does not trace them layer by layer.
 """
 from __future__ import annotations
 
 import onnx
 
-from . import attention, compressor, indexer
-from .moe import RoutedExperts
+from . import attention, compressor, indexer, moe
 from .common import DOMAIN, OPSET
 from .sinkhorn import sinkhorn_function
 
-_MODULES = (attention, compressor, indexer)
+_MODULES = (attention, compressor, indexer, moe)
 PLUGIN_OPS: tuple[str, ...] = tuple(f.name for m in _MODULES for f in m.PLUGIN_FUNCTIONS)
+AOT_OPS: tuple[str, ...] = tuple(name for name in PLUGIN_OPS if name not in {f.name for f in moe.PLUGIN_FUNCTIONS})
 
 
 def onnx_functions(sinkhorn_rounds: int | None = None) -> list[onnx.FunctionProto]:
     """Every op's lowering and the helpers they call, ready for `ModelProto.functions`; with the model's
     mHC Sinkhorn rounds, that op's function too (a model's graphs need it: see sinkhorn.py)."""
-    out = [RoutedExperts.to_function_proto()]
+    out = []
     if sinkhorn_rounds is not None:
         out.append(sinkhorn_function(sinkhorn_rounds))
     for module in _MODULES:
@@ -34,4 +36,4 @@ def onnx_functions(sinkhorn_rounds: int | None = None) -> list[onnx.FunctionProt
     return out
 
 
-__all__ = ["DOMAIN", "OPSET", "PLUGIN_OPS", "onnx_functions"]
+__all__ = ["DOMAIN", "OPSET", "PLUGIN_OPS", "AOT_OPS", "onnx_functions"]

@@ -9,8 +9,11 @@ A `Backend` says what the builder and the runtime need to know of one backend:
   weights of the other formats are dequantized into weights/converted.bin;
 - `dequantizes_at_load`: its runtime folds the DequantizeLinear of constant weights once at load (ONNX Runtime,
   told so by session.disable_quant_qdq), so FP8 weights are resident in the activation dtype, not as FP8;
-- `int8_experts`: MXFP4 routed experts run as an exact int8 MoE (their codes and scales widened in the graph from
-  the stored bytes, ONNX Runtime's QMoE) rather than behind a FLOAT4E2M1 DequantizeLinear;
+- `expert_weights`: the form in which the graph hands quantized routed experts (of a format it keeps in place) to the
+  MoE: `STACKED` (dequantized, stacked [E, out, in]: the op's ONNX function), `INT8_CODES` (MXFP4 experts widened
+  in the graph from the stored bytes to the codes and scales of an exact int8 MoE, ONNX Runtime's QMoE) or
+  `STORED_BYTES` (the stored bytes stacked as int8, with fp32 scales, for a kernel that dequantizes inside: the
+  TensorRT plugin);
 - `compiled`: the typed record of what its compile step wrote in engine.json (`build.compile`);
 - `builder`: the builder module providing preflight, prepare_graph and compile_engine. The runtime only names it:
   the builder imports the runtime, never the reverse.
@@ -209,6 +212,9 @@ class MIGraphXCompiled(CompileRecord):
 
 
 # ---------------------------------------------------------------------- the registry
+STACKED, INT8_CODES, STORED_BYTES = "stacked", "int8 codes", "stored bytes"      # Backend.expert_weights
+
+
 @dataclass(frozen=True)
 class Backend:
     """One backend: what the builder and the runtime need to know of it (the module doc says why each field)."""
@@ -220,7 +226,7 @@ class Backend:
     quantized_in_place: frozenset[str]    # "fp8_block", "mxfp4"
     compiled: type[CompileRecord]
     dequantizes_at_load: bool = False
-    int8_experts: bool = False
+    expert_weights: str = STACKED
 
     @property
     def builder(self) -> str:
@@ -235,13 +241,16 @@ class Backend:
 BACKENDS: dict[str, Backend] = {backend.name: backend for backend in (
     # ONNX Runtime's CPU provider has no FP4 kernel, but an int8 MoE that is exact for MXFP4's values
     Backend("onnxruntime", "OnnxRuntimeSession", onnxruntime_options=True, shape_specialized=False,
-            quantized_in_place=frozenset({"fp8_block", "mxfp4"}), compiled=OnnxRuntimeCompiled, dequantizes_at_load=True, int8_experts=True),
+            quantized_in_place=frozenset({"fp8_block", "mxfp4"}), compiled=OnnxRuntimeCompiled,
+            dequantizes_at_load=True, expert_weights=INT8_CODES),
     Backend("tensorrt", "TensorRTSession", onnxruntime_options=False, shape_specialized=True,
-            quantized_in_place=frozenset({"fp8_block", "mxfp4"}), compiled=TensorRTCompiled),
-    # MIGraphX reads neither FLOAT8E4M3FN nor blocked DequantizeLinear at its opset 19
+            quantized_in_place=frozenset({"fp8_block", "mxfp4"}), compiled=TensorRTCompiled,
+            expert_weights=STORED_BYTES),
+    # MIGraphX reads neither FLOAT8E4M3FN nor blocked DequantizeLinear at its opset 19; int8 bytes it reads
     Backend("migraphx", "MIGraphXSession", onnxruntime_options=False, shape_specialized=True,
-            quantized_in_place=frozenset(), compiled=MIGraphXCompiled),
+            quantized_in_place=frozenset(), compiled=MIGraphXCompiled, expert_weights=STORED_BYTES),
 )}
 
-__all__ = ["Backend", "BACKENDS", "CompileRecord", "OnnxRuntimeCompiled", "TensorRTCompiled", "BuiltPlan",
+__all__ = ["Backend", "BACKENDS", "STACKED", "INT8_CODES", "STORED_BYTES", "CompileRecord",
+           "OnnxRuntimeCompiled", "TensorRTCompiled", "BuiltPlan",
            "MIGraphXCompiled", "Variant", "Program"]

@@ -109,3 +109,23 @@ def test_bfloat16_activations(gen):
     got = routed_experts(x, indices, weights, w1, w2, w3, limit=LIMIT)
     expected = moe.routed_experts(x.float(), indices, weights, w1.float(), w2.float(), w3.float(), limit=LIMIT)
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("name, quantize", [("Fp8RoutedExperts", fp8), ("Mxfp4RoutedExperts", mxfp4)])
+def test_tensorrt_plugins_run_the_kernels_on_the_stored_bytes(gen, name, quantize):
+    """The TensorRT plugins' just-in-time implementation (run_jit over the launcher of their OPS row), on the int8
+    bytes TensorRT hands them, writes what the op's reference (plugins/moe.py, which decodes the bytes itself)
+    computes, and what the float op computes on the dequantized values."""
+    from v4engine.plugins.tensorrt.plugins import OPS, run_jit
+
+    op = next(op for op in OPS if op.name == name)
+    E, D, inter, T, k = 6, 256, 64, 7, 3
+    (q1, s1, v1), (q2, s2, v2), (q3, s3, v3) = (quantize(w) for w in experts(gen, E, D, inter))
+    x = 2 * torch.randn(T, D, generator=gen)
+    indices, weights = picks(gen, T, E, k)
+    inputs = [x, indices, weights, q1.view(torch.int8), s1, q2.view(torch.int8), s2, q3.view(torch.int8), s3]
+    out = torch.full((T, D), float("nan"))
+    run_jit(op, inputs, {"limit": LIMIT}, [out])
+    torch.testing.assert_close(out, op.reference(*inputs, limit=LIMIT), rtol=0, atol=1e-5)
+    torch.testing.assert_close(out, moe.routed_experts(x, indices, weights, v1, v2, v3, limit=LIMIT),
+                               rtol=0, atol=1e-5)

@@ -1,7 +1,8 @@
 """`v4build --backend migraphx`, checked as far as a machine without ROCm allows.
 
-1. The MIGraphX variant (functions inlined, sequences split, weights dequantized, opset 19) runs on ONNX Runtime's
-   CPU provider and computes what the portable engine computes, within 1e-4, for target and draft.
+1. The MIGraphX variant (functions inlined, sequences split, routed experts as their stored bytes, other quantized
+   weights dequantized, opset 19) runs on ONNX Runtime's CPU provider and computes what the portable engine
+   computes, within 1e-4, for target and draft.
 2. The allowlist check (ops, types and opset of MIGraphX's parser, read from its sources) passes on the variant
    and names each planted offender: a standard Attention node, RMSNormalization, a FLOAT8E4M3FN initializer,
    an opset beyond 19.
@@ -66,6 +67,9 @@ def test_variant_is_what_migraphx_parses(engines):
         assert {n.op_type for n in model.graph.node} <= set(allowlist()["ops"])
         assert not {"SplitToSequence", "SequenceAt", "DequantizeLinear"} & {n.op_type for n in model.graph.node}
     assert manifest.build["weights"]["fp8 in place + dequantize"] == 0 and manifest.build["weights"]["converted"] > 0
+    assert manifest.build["weights"]["fp4 in place, bytes for the kernel"] > 0
+    for groups in manifest.build["weight_groups"].values():
+        assert list(groups["routed experts"]["resident"]) == ["as stored + float32 scales"], "no expert converted"
     assert manifest.compiled.allowlist["migraphx"] == allowlist()["migraphx_version"]
     assert [p.name for p in manifest.compiled.profiles["draft"]] == ["extend", "step"]
     assert manifest.compiled.variant["draft"].opset == 19

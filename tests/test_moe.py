@@ -12,7 +12,9 @@ from v4engine.builder.model import ModelState
 from v4engine.builder.model.v4 import MoE
 from v4engine.builder.oracle import oracle_accepted_counts
 from v4engine.builder.tiny import TINY_CONFIGS
-from v4engine.plugins.moe import routed_experts, swiglu
+from v4engine.builder.checkpoint import quantize_fp8_block, quantize_mxfp4
+from v4engine.plugins.moe import (decode_fp8, decode_mxfp4, fp8_routed_experts, mxfp4_routed_experts, routed_experts,
+                                  swiglu)
 from v4engine.runtime import Generator, SamplingParams
 from v4engine.runtime.config import V4Config
 
@@ -76,6 +78,48 @@ def test_onnx_function_equals_the_reference(gen, T):
     (got,) = run_onnx("RoutedExperts", [x, indices, weights, w1, w2, w3], {"limit": LIMIT}, [(torch.float32, 2)],
                       plugin=False)
     np.testing.assert_allclose(got, expected.numpy(), rtol=0, atol=1e-5)
+
+
+def test_stored_bytes_decode_exactly_in_the_onnx_functions():
+    """Every byte, as the int8 TensorRT and MIGraphX hold: e4m3 (subnormals, both zeros, NaN) and two e2m1 codes."""
+    every = torch.arange(256, dtype=torch.uint8).view(torch.int8).reshape(1, 256)
+    scale = torch.tensor([[2.0 ** -3, 2.0 ** 5]])
+    (fp8,) = run_onnx("DecodeFp8", [every, scale, torch.zeros(1)], {}, [(torch.float32, 2)], plugin=False)
+    np.testing.assert_array_equal(fp8, decode_fp8(every, scale).numpy())
+    assert np.isnan(fp8).sum() == 2 and fp8[0, 1] == 2.0 ** -9 * 2.0 ** -3           # NaN codes; a subnormal
+    scales = torch.exp2(torch.arange(16, dtype=torch.float32) - 8).reshape(1, 16)
+    (fp4,) = run_onnx("DecodeMxfp4", [every, scales, torch.zeros(1)], {}, [(torch.float32, 2)], plugin=False)
+    np.testing.assert_array_equal(fp4, decode_mxfp4(every, scales).numpy())
+    assert (fp4[0, 2 * 0x71], fp4[0, 2 * 0x71 + 1]) == (0.5 * 0.5, 6.0 * 0.5)     # low nibble first; block 7
+
+
+def stored(w: torch.Tensor, quantize: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Experts [E, rows, cols] as the stored-bytes ops take them: int8 bytes and fp32 scales, a row each."""
+    parts = []
+    for expert in w:
+        if quantize == "fp8":
+            q, grid = quantize_fp8_block(expert)
+            parts.append((q.view(torch.int8), grid.float().repeat_interleave(128, 0)[: expert.shape[0]]))
+        else:
+            packed, e8m0 = quantize_mxfp4(expert)
+            parts.append((packed.view(torch.int8), e8m0.float()))
+    return torch.stack([p for p, _ in parts]), torch.stack([s for _, s in parts])
+
+
+@pytest.mark.parametrize("quantize, reference", [("fp8", fp8_routed_experts), ("mxfp4", mxfp4_routed_experts)])
+def test_stored_bytes_functions_equal_their_reference(gen, quantize, reference):
+    w1, w2, w3 = experts(gen, E=16, D=64, inter=32)
+    x = 2 * torch.randn(6, 64, generator=gen)
+    indices, weights = picks(gen, 6, 16, 4, repeats=True)
+    inputs = [x, indices, weights, *stored(w1, quantize), *stored(w2, quantize), *stored(w3, quantize)]
+    expected = reference(*inputs, limit=LIMIT)
+    name = "Fp8RoutedExperts" if quantize == "fp8" else "Mxfp4RoutedExperts"
+    (got,) = run_onnx(name, inputs, {"limit": LIMIT}, [(torch.float32, 2)])
+    np.testing.assert_allclose(got, expected.numpy(), rtol=0, atol=1e-5)
+    decode = decode_fp8 if quantize == "fp8" else decode_mxfp4
+    dequantized = [decode(*stored(w, quantize)) for w in (w1, w2, w3)]
+    torch.testing.assert_close(expected, routed_experts(x, indices, weights, *dequantized, limit=LIMIT),
+                               rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("name", ["mixed", "flash_like"])

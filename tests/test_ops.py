@@ -15,7 +15,7 @@ from v4engine.plugins.compressor import csa_compress, hca_compress
 from v4engine.plugins.indexer import indexer_topk
 
 TOL = 1e-5
-_DTYPES = {torch.float32: onnx.TensorProto.FLOAT, torch.int64: onnx.TensorProto.INT64}
+_DTYPES = {torch.float32: onnx.TensorProto.FLOAT, torch.int64: onnx.TensorProto.INT64, torch.int8: onnx.TensorProto.INT8}
 
 
 def run_onnx(op: str, inputs: list[torch.Tensor], attrs: dict, out_specs: list[tuple[torch.dtype, int]],

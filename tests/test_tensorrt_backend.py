@@ -1,10 +1,11 @@
 """`v4build --backend tensorrt`, checked as far as a machine without TensorRT allows.
 
-1. `--onnx-only` prepares graphs TensorRT's parser maps onto our plugins: every v4 node asks for its AOT kernel,
-   FP8 weights and MXFP4 experts stay quantized in place behind blocked DequantizeLinear nodes, and engine.json
-   lists the optimization profiles.
+1. `--onnx-only` prepares graphs TensorRT's parser maps onto our plugins: attention, indexer and compressor nodes
+   ask for their AOT kernel, routed-experts nodes are JIT plugin nodes over the experts' stored bytes (in place,
+   as int8), FP8 weights stay quantized in place behind blocked DequantizeLinear nodes, and engine.json lists the
+   optimization profiles.
 2. The preparation changes no value: the prepared graph run by ONNX Runtime equals the ONNX Runtime engine, and the
-   in-place FP4 experts dequantize (ONNX's reference evaluator) to exactly the checkpoint's values.
+   stored experts decode to exactly the checkpoint's values.
 3. The profiles cover every call the scheduler makes, and the tightest one is chosen.
 4. The builder glue drives TensorRT's API as documented (a recording stand-in for the tensorrt module).
 5. Without TensorRT: a full build, or opening a prepared engine, fails with one clear line.
@@ -19,7 +20,6 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
 import onnx
 import pytest
 import torch
@@ -27,10 +27,11 @@ from onnx.reference import ReferenceEvaluator
 
 from v4engine.builder.backends.compare import compare_with_onnxruntime
 from v4engine.builder.backends.profiles import profiles
-from v4engine.builder.backends.tensorrt import build_plan, mark_aot
+from v4engine.builder.backends.tensorrt import build_plan, prepare_graph
 from v4engine.builder.build import BuildOptions, build
 from v4engine.builder.checkpoint import Checkpoint
-from v4engine.plugins import DOMAIN, PLUGIN_OPS
+from v4engine.plugins import AOT_OPS, DOMAIN, PLUGIN_OPS
+from v4engine.plugins.moe import decode_fp8, decode_mxfp4
 from v4engine.runtime.backends import BuiltPlan
 from v4engine.runtime.engine_folder import EngineFormatError
 from v4engine.runtime.sampling import RequestError
@@ -69,23 +70,36 @@ def attrs(node: onnx.NodeProto) -> dict:
     return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
 
 
-def test_every_plugin_node_asks_for_its_aot_kernel(prepared):
+def test_every_plugin_node_names_its_plugin_and_kernel(prepared):
+    """Attention, indexer and compressor nodes ask for their AOT kernel; routed-experts nodes are plugin nodes run
+    just in time (no `aot`), over the experts as stored when the checkpoint's are quantized."""
     _, engine = prepared("fp8")
     manifest = EngineManifest.read(engine)
     for graph in ("target", "draft"):
         nodes, _, model = nodes_and_initializers(engine / f"{graph}.onnx")
         plugin = [n for n in nodes if n.domain == DOMAIN and n.op_type in PLUGIN_OPS]
-        assert plugin, f"{graph} has v4 op nodes"
+        aot, jit = [n for n in plugin if n.op_type in AOT_OPS], [n for n in plugin if n.op_type not in AOT_OPS]
+        assert aot and jit, f"{graph} has both kinds of v4 op nodes"
         for node in plugin:
             a = attrs(node)
-            assert (a["aot"], a["plugin_namespace"], a["plugin_version"]) == (1, b"v4", b"1"), node.name
+            assert (a["plugin_namespace"], a["plugin_version"]) == (b"v4", b"1"), node.name
+            assert a.get("aot") == (1 if node in aot else None), node.name
+        assert {n.op_type for n in jit} == {"Fp8RoutedExperts"}, "FP8 experts reach the plugin as stored"
         declared = {f.name: list(f.attribute) for f in model.functions if f.domain == DOMAIN}
-        assert all("aot" in declared[op] for op in {n.op_type for n in plugin})
+        assert all("aot" in declared[op] for op in {n.op_type for n in aot})
+        assert all("plugin_namespace" in declared[op] for op in {n.op_type for n in plugin})
         assert manifest.compiled.plugin_nodes[graph] == len(plugin)
     assert not list(engine.glob("*.plan")) and manifest.compiled.plans is None
 
 
-def test_fp8_weights_stay_fp8_in_place_behind_blocked_dequantize(prepared):
+def in_place(tensor: onnx.TensorProto) -> tuple[int, int]:
+    ref = {e.key: e.value for e in tensor.external_data}
+    return int(ref["offset"]), int(ref["length"])
+
+
+def test_fp8_weights_stay_fp8_in_place(prepared):
+    """Attention: FP8 in place behind a blocked DequantizeLinear. Experts: each expert's bytes in place as int8,
+    one Concat per layer into the plugin node, with fp32 scale rows."""
     checkpoint, engine = prepared("fp8")
     ckpt = Checkpoint.open(checkpoint)
     nodes, inits, _ = nodes_and_initializers(engine / "target.onnx")
@@ -97,26 +111,36 @@ def test_fp8_weights_stay_fp8_in_place_behind_blocked_dequantize(prepared):
                                                                          info.nbytes)
     dq = next(n for n in nodes if n.input[:1] == [q.name])
     assert dq.op_type == "DequantizeLinear" and attrs(dq) == {"axis": 1, "block_size": 128}
-    experts = [n for n in nodes if n.op_type == "Concat" and n.output[0] == "model.layers.3.ffn.routed.w1"]
-    assert len(experts) == 1 and len(experts[0].input) == 8, "the 8 experts' own tensors, joined"
+    stacked = "model.layers.3.ffn.routed.w1.fp8"
+    joined = next(n for n in nodes if n.output[0] == stacked)
+    assert joined.op_type == "Concat" and len(joined.input) == 8, "the 8 experts' own tensors, joined"
+    expert = inits[joined.input[5]]
+    info = ckpt.info("layers.3.ffn.experts.5.w1.weight")
+    assert expert.data_type == onnx.TensorProto.INT8 and in_place(expert) == (info.offset, info.nbytes)
+    moe = next(n for n in nodes if n.op_type == "Fp8RoutedExperts" and stacked in n.input)
+    assert list(moe.input[3:5]) == [stacked, f"{stacked}_scale"]
+    assert not any(n.op_type == "DequantizeLinear" and "routed" in n.input[0] for n in nodes), "no expert dequantized"
 
 
-def test_mxfp4_experts_stay_fp4_in_place(prepared):
+def test_mxfp4_experts_stay_mxfp4_in_place(prepared):
     checkpoint, engine = prepared("mxfp4")
     ckpt = Checkpoint.open(checkpoint)
     manifest = EngineManifest.read(engine)
     nodes, inits, _ = nodes_and_initializers(engine / "target.onnx")
-    fp4 = inits["model.layers.3.ffn.routed.w2.5.fp4"]
+    packed = inits["model.layers.3.ffn.routed.w2.5.mxfp4"]
     info = ckpt.info("layers.3.ffn.experts.5.w2.weight")
-    assert fp4.data_type == onnx.TensorProto.FLOAT4E2M1 and list(fp4.dims) == [1, *ckpt.logical_shape(info.name)]
-    ref = {e.key: e.value for e in fp4.external_data}
-    assert (int(ref["offset"]), int(ref["length"])) == (info.offset, info.nbytes), "the packed bytes, in place"
-    scale = {e.key: e.value for e in inits["model.layers.3.ffn.routed.w2.5.scale.e8m0"].external_data}
-    assert int(scale["offset"]) == info.scale.offset, "E8M0 scales in place too"
-    dq = next(n for n in nodes if n.input[:1] == [fp4.name])
-    assert attrs(dq) == {"axis": 2, "block_size": 32}
-    assert manifest.build["weights"]["converted"] == 0 and manifest.build["weights"]["fp4 in place + dequantize"]
-    assert "kept MXFP4 in place" in manifest.experts
+    out, width = ckpt.logical_shape(info.name)
+    assert packed.data_type == onnx.TensorProto.INT8 and list(packed.dims) == [1, out, width // 2]
+    assert in_place(packed) == (info.offset, info.nbytes), "the packed bytes, in place"
+    assert in_place(inits["model.layers.3.ffn.routed.w2.5.mxfp4.e8m0"])[0] == info.scale.offset, "E8M0 too"
+    moe = next(n for n in nodes if n.op_type == "Mxfp4RoutedExperts" and "layers.3." in n.input[3])
+    assert list(moe.input[3:]) == [f"model.layers.3.ffn.routed.{w}.mxfp4{part}" for w in ("w1", "w2", "w3")
+                                   for part in ("", "_scale")]
+    weights = manifest.build["weights"]
+    layers = sum(n.op_type == "Mxfp4RoutedExperts" for graph in ("target", "draft")
+                 for n in nodes_and_initializers(engine / f"{graph}.onnx")[0])
+    assert weights["converted"] == 0 and weights["fp4 in place, bytes for the kernel"] == layers * 3 * 8
+    assert "kept in place as their bytes" in manifest.experts
 
 
 def with_data(tensor: onnx.TensorProto, engine: Path) -> onnx.TensorProto:
@@ -134,13 +158,17 @@ def with_data(tensor: onnx.TensorProto, engine: Path) -> onnx.TensorProto:
     return loaded
 
 
-def test_fp4_in_place_dequantizes_to_the_checkpoint_values(prepared):
-    """ONNX's reference evaluator runs the graph's own weight nodes for one stacked expert weight."""
-    checkpoint, engine = prepared("mxfp4")
+@pytest.mark.parametrize("quantize", ["fp8", "mxfp4"])
+def test_stored_experts_decode_to_the_checkpoint_values(prepared, quantize):
+    """ONNX's reference evaluator runs the graph's own weight nodes for one layer's stacked w1 (bytes and scales);
+    the plugin's decoding of them (plugins/moe.py, what its kernels do) is the checkpoint's dequantized experts."""
+    checkpoint, engine = prepared(quantize)
     ckpt = Checkpoint.open(checkpoint)
     model = onnx.load(str(engine / "target.onnx"), load_external_data=False)
-    wanted, producers = "model.layers.3.ffn.routed.w1", {o: n for n in model.graph.node for o in n.output}
-    needed, frontier = [], [wanted]
+    suffix = "mxfp4" if quantize == "mxfp4" else "fp8"
+    wanted = [f"model.layers.3.ffn.routed.w1.{suffix}", f"model.layers.3.ffn.routed.w1.{suffix}_scale"]
+    producers = {o: n for n in model.graph.node for o in n.output}
+    needed, frontier = [], list(wanted)
     while frontier:
         node = producers.get(frontier.pop())
         if node is not None and node not in needed:
@@ -148,20 +176,24 @@ def test_fp4_in_place_dequantizes_to_the_checkpoint_values(prepared):
             frontier += list(node.input)
     names = {i for n in needed for i in n.input}
     weights = [with_data(t, engine) for t in model.graph.initializer if t.name in names]
-    graph = onnx.helper.make_graph(needed[::-1], "weights", [], [onnx.helper.make_tensor_value_info(
-        wanted, onnx.TensorProto.FLOAT, None)], weights)
+    outputs = [onnx.helper.make_tensor_value_info(w, onnx.TensorProto.UNDEFINED, None) for w in wanted]
+    graph = onnx.helper.make_graph(needed[::-1], "weights", [], outputs, weights)
     sub = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 23)])
-    (stacked,) = ReferenceEvaluator(sub).run(None, {})
-    expected = torch.stack([ckpt.load(f"layers.3.ffn.experts.{e}.w1.weight") for e in range(8)]).numpy()
-    np.testing.assert_array_equal(stacked, expected)
+    stored, scales = ReferenceEvaluator(sub).run(None, {})
+    decode = decode_mxfp4 if quantize == "mxfp4" else decode_fp8
+    got = decode(torch.from_numpy(stored), torch.from_numpy(scales))
+    expected = torch.stack([ckpt.load(f"layers.3.ffn.experts.{e}.w1.weight") for e in range(8)])
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
-def test_prepared_graphs_compute_what_the_onnxruntime_engine_computes(prepared, tmp_path):
+@pytest.mark.parametrize("quantize", ["fp8", "mxfp4"])
+def test_prepared_graphs_compute_what_the_onnxruntime_engine_computes(prepared, quantize, tmp_path):
     """The comparison the GPU check makes for TensorRT engines (test_gpu_tensorrt.py), with ONNX Runtime running the
-    prepared graphs."""
+    prepared graphs (their routed experts: the stored-bytes ops' functions; the engine's: QMoE or a dequantized
+    MoE)."""
     from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
 
-    checkpoint, engine = prepared("fp8")
+    checkpoint, engine = prepared(quantize)
     reference = tmp_path / "ort"
     build(BuildOptions(checkpoint=checkpoint, output=reference, mtp=2, max_batch=4, max_seq_len=256, progress=False))
     same, verdict = compare_with_onnxruntime(
@@ -285,7 +317,7 @@ def test_engine_build_sets_every_profile_flag_and_the_timing_cache(prepared, tmp
     manifest = EngineManifest.read(engine)
     draft = onnx.load(str(engine / "draft.onnx"), load_external_data=False)
     before = draft.SerializeToString()
-    assert mark_aot(draft) == manifest.compiled.plugin_nodes["draft"]
+    assert prepare_graph(draft, "draft")[1] == manifest.compiled.plugin_nodes["draft"]
     assert draft.SerializeToString() == before
     trt = FakeTensorRT()
     replaced = tmp_path / "timing.replaced"

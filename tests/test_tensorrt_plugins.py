@@ -117,7 +117,8 @@ class FakeSymIntExprs(list):
         return cls(exprs)
 
 
-FAKE_TRT = SimpleNamespace(DataType=SimpleNamespace(FLOAT="FP32", HALF="FP16", BF16="BF16", INT64="INT64"))
+FAKE_TRT = SimpleNamespace(DataType=SimpleNamespace(FLOAT="FP32", HALF="FP16", BF16="BF16", INT64="INT64",
+                                                   INT8="INT8"))
 ATTRIBUTE_TYPES = (int, float, bytes, bool, str)
 
 
@@ -204,27 +205,55 @@ def fake_plugins(target: str = "sm90") -> FakeTrtp:
     trtp = FakeTrtp()
     define(trtp, FAKE_TRT, target)
     assert set(trtp.plugins) == {f"{DOMAIN}::{op.name}" for op in OPS}
-    assert all({"register", "autotune", "aot_impl", "impl"} <= set(p) for p in trtp.plugins.values())
+    for op in OPS:       # ahead of time where the op has a plan, else just in time only
+        kinds = {"register", "autotune", "impl"} | ({"aot_impl"} if op.plan else set())
+        assert set(trtp.plugins[f"{DOMAIN}::{op.name}"]) - {"inputs", "attrs"} == kinds, op.name
     return trtp
 
 
 # --------------------------------------------------------------------------- 1. shapes and types vs ONNX
 ONNX_TYPES = {onnx.TensorProto.FLOAT: "FP32", onnx.TensorProto.FLOAT16: "FP16", onnx.TensorProto.BFLOAT16: "BF16",
-              onnx.TensorProto.INT64: "INT64"}
+              onnx.TensorProto.INT64: "INT64", onnx.TensorProto.INT8: "INT8"}
 ATTRIBUTE_KINDS = {onnx.AttributeProto.INT: int, onnx.AttributeProto.FLOAT: float}
 
 
 @pytest.fixture(scope="module")
 def graphs() -> dict[str, onnx.ModelProto]:
     """split_groups' graphs (target: an HCA and a CSA layer, in bf16; draft: the sliding MTP layer, in fp32), with
-    the op functions and opsets builder/build.py gives them; no weights (shape inference reads none)."""
+    the op functions and opsets builder/build.py gives them; no weights (shape inference reads none). And the
+    stored-experts ops as the TensorRT preparation makes them (never exported): one node each, fp16, symbolic T."""
     cfg = V4Config.from_dict(TINY_CONFIGS["split_groups"], source="tiny config split_groups")
     out = {}
     for name, dtype in (("target", torch.bfloat16), ("draft", torch.float32)):
         proto = serialize_without_data(export_graph(cfg, draft=name == "draft", dtype=dtype))
         add_functions(proto)
         out[name] = proto
+    out["stored experts"] = stored_experts_graph(experts=8, dim=256, inter=128, k=3)
     return out
+
+
+def stored_experts_graph(experts: int, dim: int, inter: int, k: int) -> onnx.ModelProto:
+    """A graph of an Fp8RoutedExperts and an Mxfp4RoutedExperts node over x [T, dim] fp16."""
+    T = onnx.TensorProto
+    inputs = [onnx.helper.make_tensor_value_info("x", T.FLOAT16, ["T", dim]),
+              onnx.helper.make_tensor_value_info("indices", T.INT64, ["T", k]),
+              onnx.helper.make_tensor_value_info("weights", T.FLOAT, ["T", k])]
+    nodes, outputs = [], []
+    for fmt, per_byte, block in (("fp8", 1, 128), ("mxfp4", 2, 32)):
+        names = []
+        for w, (rows, cols) in (("w1", (inter, dim)), ("w2", (dim, inter)), ("w3", (inter, dim))):
+            names += [f"{fmt}.{w}", f"{fmt}.{w}_scale"]
+            inputs += [onnx.helper.make_tensor_value_info(f"{fmt}.{w}", T.INT8, [experts, rows, cols // per_byte]),
+                       onnx.helper.make_tensor_value_info(f"{fmt}.{w}_scale", T.FLOAT,
+                                                          [experts, rows, -(-cols // block)])]
+        op_type = "Fp8RoutedExperts" if fmt == "fp8" else "Mxfp4RoutedExperts"
+        nodes.append(onnx.helper.make_node(op_type, ["x", "indices", "weights", *names], [f"{fmt}.out"],
+                                           domain=DOMAIN, limit=7.0, plugin_namespace="v4", plugin_version="1"))
+        outputs.append(onnx.helper.make_tensor_value_info(f"{fmt}.out", T.FLOAT, ["T", dim]))   # as exported
+    model = onnx.helper.make_model(onnx.helper.make_graph(nodes, "stored experts", inputs, outputs),
+                                   opset_imports=[onnx.helper.make_opsetid("", 23)], ir_version=10)
+    add_functions(model)
+    return model
 
 
 def tensor_types(model: onnx.ModelProto) -> dict[str, tuple[str, list]]:

@@ -4,8 +4,12 @@ MIGraphX's parser (read from its sources: migraphx_ops.json names the release) d
 reads model-local functions, documents opsets up to 19 and rejects FLOAT8E4M3FN tensors. So for each graph:
 1. the v4 op functions are inlined (onnx.inliner): the engine runs their standard-op bodies, all of them ops
    the parser has (the build already made the exporter's sequence ops one Split: export.split_sequences);
-2. quantized weights arrive dequantized (the registry keeps no format quantized in place for MIGraphX), so no
-   FLOAT8E4M3FN tensor and no blocked DequantizeLinear remain;
+2. quantized routed experts arrive as their stored bytes (int8, in place) with fp32 scales, and their nodes become
+   the ops that take them (builder/weights.py, STORED_BYTES: Fp8RoutedExperts, Mxfp4RoutedExperts), whose
+   inlined bodies gather the chosen experts' bytes and decode only those at run time: nothing to fold, so the
+   experts stay as stored in device memory too (MIGraphX's own MoE, parse_moe.cpp, is in no release: ROCm 7.2.4
+   has none). Every other quantized weight arrives dequantized (the registry keeps no format quantized in place
+   for MIGraphX), so no FLOAT8E4M3FN tensor and no blocked DequantizeLinear remain;
 3. the opset is lowered to 19 (`lower_opset`), and onnx.checker and strict shape inference prove it;
 4. `check` compares every op, tensor type and the opset with the allowlist and fails the build with one line
    naming every offender.
@@ -31,6 +35,7 @@ from v4engine.runtime.engine import EngineManifest
 from v4engine.runtime.errors import V4EngineError
 from v4engine.runtime.profiles import Profile
 
+from ..weights import use_stored_experts
 from .profiles import engine_profiles
 
 if TYPE_CHECKING:
@@ -109,6 +114,7 @@ def preflight(options: BuildOptions) -> None:
 def prepare_graph(model: onnx.ModelProto, name: str) -> tuple[onnx.ModelProto, Variant]:
     """The portable graph `name` as the MIGraphX variant (steps 1-4 of the module doc; the build then runs the
     checker and strict shape inference on it, step 3's proof): (variant, what to record of it)."""
+    use_stored_experts(model)
     model = inliner.inline_local_functions(model)
     del model.functions[:]
     kept = [o for o in model.opset_import if o.domain in ("", "ai.onnx")]

@@ -1,14 +1,17 @@
 """TensorRT: the exported graphs, prepared for TensorRT's ONNX parser, then built into serialized engines.
 
 Preparation (always; all that `--onnx-only` does):
-- every v4 op node gets `aot=1`, so TensorRT takes the plugin's ahead-of-time PTX kernel (plugins/tensorrt) and
-  the engine runs without Python. The nodes already carry `plugin_namespace="v4"`, which makes the parser
-  prefer the plugin over the model-local function of the same name; the builder also sets the parser flag
+- every attention, indexer and compressor node gets `aot=1`, so TensorRT takes the plugin's ahead-of-time PTX
+  kernel (plugins/tensorrt). The nodes already carry `plugin_namespace="v4"`, which makes the parser prefer the
+  plugin over the model-local function of the same name; the builder also sets the parser flag
   ENABLE_PLUGIN_OVERRIDE. The functions stay in the graph as the op's definition (and as what ONNX Runtime runs
   when the prepared graph is checked against the ONNX Runtime engine).
+- every routed-experts node becomes a plugin node too (the plugin attributes, no `aot`: it runs its kernels'
+  torch launcher just in time, so the process that loads the engine registers the plugins, as the runtime does);
+  quantized experts reach it as their stored bytes and fp32 scales (builder/weights.py, STORED_BYTES:
+  Fp8RoutedExperts, Mxfp4RoutedExperts), dequantized inside its kernels.
 - precisions are all in the graph (TensorRT 11 builds strongly typed networks only): activations in the build
-  dtype, hc mixes, sinks and softmaxes in fp32, FP8 weights in place with a blocked DequantizeLinear, MXFP4
-  experts in place as FLOAT4E2M1 with their E8M0 scales (builder/weights.py, fp4_in_place).
+  dtype, hc mixes, sinks and softmaxes in fp32, FP8 weights in place with a blocked DequantizeLinear.
 - optimization profiles, one per kind of call the runtime makes (`profiles`), recorded in engine.json.
 
 Build (TensorRT importable, no `--onnx-only`): a strongly typed network parsed from each prepared graph, one
@@ -24,13 +27,15 @@ from typing import TYPE_CHECKING, Any
 
 import onnx
 
-from v4engine.plugins import DOMAIN, PLUGIN_OPS
+from v4engine.plugins import AOT_OPS, DOMAIN
+from v4engine.plugins.common import plugin_attrs
 from v4engine.plugins.tensorrt import MIN_TENSORRT, TensorRTNotInstalled, register_plugins
 from v4engine.runtime.backends import BuiltPlan, TensorRTCompiled
 from v4engine.runtime.engine import EngineManifest
 from v4engine.runtime.errors import V4EngineError
 from v4engine.runtime.profiles import Profile
 
+from ..weights import use_stored_experts
 from .profiles import engine_profiles
 
 if TYPE_CHECKING:
@@ -44,16 +49,17 @@ class TensorRTBuildError(V4EngineError):
 
 
 def mark_aot(model: onnx.ModelProto) -> int:
-    """Mark every v4 op node of the graph for TensorRT's AOT plugins (in place); returns how many."""
+    """Mark every v4 node of an op with an AOT kernel (AOT_OPS) for TensorRT's AOT plugins (in place); returns how
+    many."""
     marked = 0
     for node in model.graph.node:
-        if node.domain == DOMAIN and node.op_type in PLUGIN_OPS:
+        if node.domain == DOMAIN and node.op_type in AOT_OPS:
             kept = [a for a in node.attribute if a.name != "aot"]       # idempotent
             del node.attribute[:]
             node.attribute.extend(kept + [onnx.helper.make_attribute("aot", 1)])
             marked += 1
     for function in model.functions:      # declared on the ops' definitions, as plugin_namespace is
-        if function.domain == DOMAIN and function.name in PLUGIN_OPS and "aot" not in function.attribute:
+        if function.domain == DOMAIN and function.name in AOT_OPS and "aot" not in function.attribute:
             function.attribute.append("aot")
     return marked
 
@@ -65,8 +71,14 @@ def preflight(options: BuildOptions) -> None:
 
 
 def prepare_graph(model: onnx.ModelProto, name: str) -> tuple[onnx.ModelProto, int]:
-    """The graph with every v4 op node marked for its AOT plugin kernel (mark_aot), and how many were."""
-    return model, mark_aot(model)
+    """The graph with every attention, indexer and compressor node marked for its AOT plugin kernel (mark_aot) and
+    every routed-experts node a just-in-time plugin node over the experts as stored; how many plugin nodes."""
+    experts = use_stored_experts(model)
+    for node in experts:
+        kept = [a for a in node.attribute if not a.name.startswith("plugin_")]         # idempotent
+        del node.attribute[:]
+        node.attribute.extend(kept + [onnx.helper.make_attribute(k, v) for k, v in plugin_attrs().items()])
+    return model, mark_aot(model) + len(experts)
 
 
 def check_installed() -> Any:

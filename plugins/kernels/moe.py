@@ -273,4 +273,22 @@ def routed_experts(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor
     return out
 
 
-__all__ = ["FORMATS", "BLOCK_T", "max_blocks", "plan_routed_experts", "routed_experts"]
+def fp8_routed_experts(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
+                       w1_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, w3: torch.Tensor,
+                       w3_scale: torch.Tensor, *, limit: float) -> torch.Tensor:
+    """v4::Fp8RoutedExperts (plugins/moe.py) on torch tensors: routed_experts with e4m3 bytes and their scales."""
+    return routed_experts(x, indices, weights, w1, w2, w3, limit=limit, scales=(w1_scale, w2_scale, w3_scale),
+                          weight_format="fp8")
+
+
+def mxfp4_routed_experts(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
+                         w1_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, w3: torch.Tensor,
+                         w3_scale: torch.Tensor, *, limit: float) -> torch.Tensor:
+    """v4::Mxfp4RoutedExperts (plugins/moe.py) on torch tensors: routed_experts with packed e2m1 bytes and their
+    scales."""
+    return routed_experts(x, indices, weights, w1, w2, w3, limit=limit, scales=(w1_scale, w2_scale, w3_scale),
+                          weight_format="mxfp4")
+
+
+__all__ = ["FORMATS", "BLOCK_T", "max_blocks", "plan_routed_experts", "routed_experts", "fp8_routed_experts",
+           "mxfp4_routed_experts"]

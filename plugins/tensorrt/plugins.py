@@ -3,7 +3,7 @@
 One table, OPS, says everything op-specific: the op's PyTorch function in plugins/ (its tensor parameters are the
 plugin's inputs, its keyword-only parameters the plugin's attributes, with their types and order), its Triton
 torch launcher (the JIT implementation), its shapes and types (shapes.py) and how to build its launch plan
-(plugins/kernels, the AOT implementation). `define(trtp, trt)` turns every row into the four functions trtp asks
+(plugins/kernels, the AOT implementation). `define(trtp, trt)` turns every row into the functions trtp asks
 for; nothing here imports tensorrt, so tests hand in stand-ins for both modules.
 
 Generated signatures. trtp reads each decorated function's signature with `inspect.signature`: `@trtp.register`
@@ -26,6 +26,11 @@ we return, then the outputs: the order of `LaunchPlan`. Plugin attributes are no
 ours are baked into the kernel as constexprs, and so are the dims in `OpShapes.static` (head sizes, channels),
 which must therefore be fixed in the graph. Attention always runs unsplit (splits=1): key splits need a second
 kernel and a workspace, which an AOT plugin cannot have; the JIT path and the torch launchers do split.
+
+Just in time only (`plan` None, no aot_impl): the routed experts, whose call is four kernels passing scratch
+(plugins/kernels/moe.py); their impl runs the torch launcher on TensorRT's stream (`run_jit`), its scratch from
+torch's allocator. Their four plans are AOT-ready (the GPU check launches their PTX); an engine without Python
+would need them as four plugin nodes, each with its ONNX function.
 """
 from __future__ import annotations
 
@@ -38,11 +43,12 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .. import attention, compressor, indexer
+from .. import attention, compressor, indexer, moe
 from ..common import DOMAIN
 from ..kernels import attention as attention_kernels
 from ..kernels import compressor as compressor_kernels
 from ..kernels import indexer as indexer_kernels
+from ..kernels import moe as moe_kernels
 from ..kernels.launch import TARGETS, LaunchPlan, compile_plan, pointer_type
 from . import shapes
 from .shapes import ACT, OpShapes
@@ -56,7 +62,8 @@ class PluginOp:
     reference: Callable            # plugins/: inputs, attributes and semantics
     launcher: Callable             # plugins/kernels/ torch launcher: the JIT implementation
     shapes: OpShapes
-    plan: PlanFn                   # (dims, input dtype names, attributes) -> the AOT kernel's launch plan
+    plan: PlanFn | None            # (dims, input dtype names, attributes) -> the AOT kernel's launch plan; None:
+                                   # just in time only (the routed experts: four launches and their scratch)
 
     @property
     def inputs(self) -> list[str]:
@@ -87,6 +94,11 @@ OPS: tuple[PluginOp, ...] = (
              lambda dims, dtypes, attrs: compressor_kernels.plan_hca_compress(dims, dtypes[0], **attrs)),
     PluginOp("CsaCompress", compressor.csa_compress, compressor_kernels.csa_compress, shapes.CSA_COMPRESS,
              lambda dims, dtypes, attrs: compressor_kernels.plan_csa_compress(dims, dtypes[0], **attrs)),
+    PluginOp("RoutedExperts", moe.routed_experts, moe_kernels.routed_experts, shapes.ROUTED_EXPERTS, None),
+    PluginOp("Fp8RoutedExperts", moe.fp8_routed_experts, moe_kernels.fp8_routed_experts,
+             shapes.QUANTIZED_ROUTED_EXPERTS, None),
+    PluginOp("Mxfp4RoutedExperts", moe.mxfp4_routed_experts, moe_kernels.mxfp4_routed_experts,
+             shapes.QUANTIZED_ROUTED_EXPERTS, None),
 )
 
 
@@ -97,7 +109,8 @@ class TypeInfo(NamedTuple):
 
 
 TYPES = {"FP32": TypeInfo("FLOAT", "float32", "<f4"), "FP16": TypeInfo("HALF", "float16", "<f2"),
-         "BF16": TypeInfo("BF16", "bfloat16", "<i2"), "INT64": TypeInfo("INT64", "int64", "<i8")}
+         "BF16": TypeInfo("BF16", "bfloat16", "<i2"), "INT64": TypeInfo("INT64", "int64", "<i8"),
+         "INT8": TypeInfo("INT8", "int8", "|i1")}
 
 
 def _type_info(trt: ModuleType, dtype: Any) -> TypeInfo:
@@ -174,18 +187,27 @@ def _define_op(trtp: ModuleType, trt: ModuleType, op: PluginOp, target: str | No
 
     def jit(args: dict[str, Any]) -> None:
         with torch.cuda.stream(torch.cuda.ExternalStream(args["stream"])):
-            results = op.launcher(*[_as_torch(trt, args[n]) for n in inputs], **{n: args[n] for n in attributes})
-            for out, result in zip(args["outputs"], results if isinstance(results, tuple) else (results,)):
-                _as_torch(trt, out).copy_(result)
+            run_jit(op, [_as_torch(trt, args[n]) for n in inputs], {n: args[n] for n in attributes},
+                    [_as_torch(trt, out) for out in args["outputs"]])
 
     returns = trtp.TensorDesc if n_outputs == 1 else tuple[(trtp.TensorDesc,) * n_outputs]
     aot_returns = tuple[str, str, trtp.KernelLaunchParams, trtp.SymIntExprs]
     described = _params(*inputs, *attributes, annotations={n: trtp.TensorDesc for n in inputs} | attributes)
     trtp.register(plugin_id)(_generated(inspect.Signature(described, return_annotation=returns), output_descs))
     trtp.autotune(plugin_id)(_generated(inspect.Signature(_params(*inputs, "outputs")), combinations))
-    trtp.aot_impl(plugin_id)(_generated(
-        inspect.Signature(_params(*inputs, *attributes, "outputs", "tactic"), return_annotation=aot_returns), aot))
+    if op.plan is not None:
+        trtp.aot_impl(plugin_id)(_generated(
+            inspect.Signature(_params(*inputs, *attributes, "outputs", "tactic"), return_annotation=aot_returns),
+            aot))
     trtp.impl(plugin_id)(_generated(inspect.Signature(_params(*inputs, *attributes, "outputs", "stream")), jit))
+
+
+def run_jit(op: PluginOp, inputs: list[torch.Tensor], attributes: dict[str, Any], outputs: list[torch.Tensor]
+            ) -> None:
+    """The plugin's just-in-time implementation on torch tensors: its launcher's results into TensorRT's outputs."""
+    results = op.launcher(*inputs, **attributes)
+    for out, result in zip(outputs, results if isinstance(results, tuple) else (results,)):
+        out.copy_(result)
 
 
 def _plan_dims(op: PluginOp, descs: list) -> dict[str, Any]:

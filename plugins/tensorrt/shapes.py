@@ -10,7 +10,8 @@ takes the symbolic min as a parameter (`trtp.min` on TensorRT) because min() can
 Types use the names of TensorRT's autotune grammar. The activations of one call (q, kv, rows, a compressor's
 values and gates, and the outputs derived from them) share one type, FP32, FP16 or BF16, as the kernels assume;
 positions, row ids and top-k picks are INT64; the attention sink and the indexer's head weights are FP32, as the
-model keeps them whatever the activation type (FP32_PARAMETERS and `weights_proj(x).float()` in builder/model).
+model keeps them whatever the activation type (FP32_PARAMETERS and `weights_proj(x).float()` in builder/model);
+so are the routing weights, the quantized experts' scales and the experts' sum; the experts' stored bytes are INT8.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ MinFn = Callable[[Dim, Dim], Dim]
 
 ACT = "ACT"                                # placeholder: the call's activation type
 ACTIVATION_TYPES = ("FP32", "FP16", "BF16")
-F32, I64 = "FP32", "INT64"
+F32, I64, I8 = "FP32", "INT64", "INT8"
 
 
 def minimum(a: Dim, b: Dim, symbolic_min: MinFn) -> Dim:
@@ -123,3 +124,19 @@ def _compress_dims(shapes: Sequence[Shape]) -> dict[str, Dim]:
 
 HCA_COMPRESS = OpShapes((ACT, ACT, I64), (ACT, I64), _hca_compress, _compress_dims, static=("C",))
 CSA_COMPRESS = OpShapes((ACT, ACT, I64), (ACT, I64), _csa_compress, _compress_dims, static=("C",))
+
+
+# --------------------------------------------------------------------------- routed experts
+def _like_x_fp32(shapes: Sequence[Shape], attrs: Mapping[str, Any], symbolic_min: MinFn) -> list[Shape]:
+    """x [T, D], indices [T, k], weights, then the experts -> the fp32 sum [T, D]."""
+    return [tuple(shapes[0])]
+
+
+def _experts_dims(shapes: Sequence[Shape]) -> dict[str, Dim]:
+    (T, D), (_, k) = shapes[:2]
+    return dict(T=T, D=D, k=k)
+
+
+_ROUTING = (ACT, I64, F32)                 # x, indices, weights
+ROUTED_EXPERTS = OpShapes(_ROUTING + (ACT,) * 3, (F32,), _like_x_fp32, _experts_dims, static=())
+QUANTIZED_ROUTED_EXPERTS = OpShapes(_ROUTING + (I8, F32) * 3, (F32,), _like_x_fp32, _experts_dims, static=())

@@ -8,8 +8,9 @@ live on the host between calls, as with ONNX Runtime; the scheduler's commit-by-
 run in fp32 or fp16: the scheduler keeps caches in numpy, which has no bfloat16, so a bf16 engine builds but does
 not run here yet (device-resident caches will lift both limits).
 
-The engine's plugins run their ahead-of-time kernels (the builder marks every v4 node `aot=1`), so loading needs
-no plugin module; `register_plugins` runs anyway when TensorRT is present, for engines built with JIT plugins.
+The attention, indexer and compressor plugins run their ahead-of-time kernels (the builder marks those nodes
+`aot=1`); the routed experts' plugin runs just in time (its kernels' torch launcher), so loading an engine with a
+MoE needs the plugins registered in this process: `register_plugins` runs before every load.
 Written to TensorRT's documented Python API (10.x/11.x); not yet run against TensorRT (README, backends).
 """
 from __future__ import annotations

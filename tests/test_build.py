@@ -151,12 +151,14 @@ def test_mtp_without_mtp_weights(tiny_checkpoint, tmp_path):
 
 def test_ctrl_c_in_the_middle_of_a_build(tiny_checkpoint, tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "v4engine.builder.cli", "--checkpoint",
-                             str(tiny_checkpoint("mixed")), "--output", str(out), "--quiet"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            # as from a terminal: a run started in the background (nohup, `&`) inherits an
-                            # ignored SIGINT, and Python then installs no KeyboardInterrupt handler
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    # As from a terminal: a run started in the background (nohup, `&`) inherits an ignored SIGINT, and Python then
+    # installs no KeyboardInterrupt handler, so the child installs it first. Not with preexec_fn: that forks this
+    # process, and a worker that has loaded gRPC (the Triton tests) then logs an epoll error into the child.
+    start = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+             "sys.argv[0] = 'v4build'; runpy.run_module('v4engine.builder.cli', run_name='__main__')")
+    proc = subprocess.Popen([sys.executable, "-c", start, "--checkpoint", str(tiny_checkpoint("mixed")),
+                             "--output", str(out), "--quiet"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while not list(tmp_path.glob(".out.building-*")) and time.time() < deadline:
         time.sleep(0.05)

@@ -386,7 +386,7 @@ def test_aot_impl_returns_the_catalog_kernel_with_its_launch():
     done = subprocess.run([sys.executable, __file__, "sm90"], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(done.stdout.splitlines()[-1])
-    assert [row["op"] for row in rows] == [op.name for op in OPS]
+    assert [row["op"] for row in rows] == [op.name for op in OPS if op.plan is not None]
     for row in rows:
         assert row["entries"] == [row["name"]] == [row["want_name"]], row
         assert row["same_ptx"] and row["params"] == row["want_params"], row

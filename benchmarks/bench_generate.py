@@ -8,7 +8,8 @@ never saw; v4engine.builder.corpus's split), greedy, one run:
 Reports tokens/s, time to first token, acceptance rate, mean acceptance length, per-position acceptance and
 host overhead (time outside engine calls, as a share of step time), then the ratios the issue asks for.
 
-    .venv/bin/python -m benchmarks.bench_generate [--checkpoint examples/tiny-v4] [--work /tmp/bench-generate]
+    .venv/bin/python -m benchmarks.bench_generate [--checkpoint examples/tiny-v4] [--work /tmp/bench-generate] \
+        [--pools shared|own]
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from v4engine.builder.corpus import stdlib_split
 from v4engine.runtime.generator import Generator
 from v4engine.runtime.metrics import RequestMetrics
 from v4engine.runtime.sampling import SamplingParams
+from v4engine.runtime.sessions.onnxruntime import share_thread_pool
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -141,8 +143,13 @@ def main() -> None:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--threads", type=int, default=2, help="intra-op threads for both ONNX Runtime and torch")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pools", choices=["shared", "own"], default="shared",
+                   help="ONNX Runtime threads: one pool for every session (share_thread_pool, what v4generate "
+                        "does; default) or a pool per session, the draft's and target's sleeping between turns")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    if args.pools == "shared":
+        share_thread_pool(args.threads)
     engine, hf = prepare(args.checkpoint, args.work)
     prompts = held_out_prompts(args.checkpoint / "tokenizer.json", args.prompts, args.prompt_tokens,
                                args.new_tokens, args.seed)

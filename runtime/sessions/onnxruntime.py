@@ -10,6 +10,13 @@ Routed experts stored as MXFP4 run in ONNX Runtime's QMoE as int8 codes, exact o
 reads ORT_QMOE_CPU_QNBIT_GEMM when a session is made, and by default quantizes activations to int8 (1e-2 off).
 So every session is made with it set to fp32, for the whole process (a later session of anyone's would read it
 too; it only makes QMoE exact).
+
+Threads. By default each session has its own intra-op pool, and a session that takes turns with another (target
+and MTP draft) lets its idle threads sleep rather than spin: two spinning pools on two cores made MTP 3 slower
+than no drafting. `share_thread_pool()` gives every later session one process-wide pool instead, spinning, so the
+draft and the verify after it run on threads already awake. ONNX Runtime makes that switch for the whole process
+and for good: after it, it refuses any session made with a pool of its own (anyone's), so only a program's entry
+point makes it (v4generate, the Triton model, the demo, the benchmarks), never the library on its own.
 """
 from __future__ import annotations
 
@@ -26,6 +33,20 @@ from ..untrusted import first_line
 from . import EngineRunError, EngineSession, checked_outputs
 
 QMOE_GEMM = "ORT_QMOE_CPU_QNBIT_GEMM"
+_shared_pool = False             # share_thread_pool() ran: every session of this process uses one pool
+
+
+def share_thread_pool(threads: int | None = None) -> None:
+    """From now on, every ONNX Runtime session of this process runs on one intra-op pool of `threads` (default:
+    ONNX Runtime's, one per physical core), ours and anyone's; a session asking for its own pool is refused by
+    ONNX Runtime (see the module doc). Later calls change nothing."""
+    global _shared_pool
+    if not _shared_pool:
+        from onnxruntime.capi import _pybind_state
+
+        _pybind_state.set_global_thread_pool_sizes(threads or 0, 1)
+        _shared_pool = True
+
 
 
 def release_freed_heap() -> None:
@@ -44,17 +65,20 @@ class OnnxRuntimeSession(EngineSession):
                  threads: int | None = None, load_check: bool = False, alternating: bool = False):
         """`load_check`: only prove that ONNX Runtime loads and resolves the graph, with every weight left in
         its memory-mapped file (no graph optimization, no prepacking): memory stays flat in the model size.
-        `alternating`: this session takes turns with another (target and MTP draft). Then its idle pool threads
-        must not spin: two spinning pools on the same cores made MTP = 3 slower than no drafting (0.73x)."""
+        `alternating`: this session takes turns with another (target and MTP draft). Then, on a pool of its own,
+        its idle threads must not spin: two spinning pools on the same cores made MTP = 3 slower than no drafting
+        (0.73x). `threads` and `alternating` mean nothing once the process shares one pool (share_thread_pool)."""
         folder = EngineFolder(engine_dir)
         entry = manifest.graphs[graph]
         weights = folder.map_weights(manifest.weights)
         model = read_graph(folder, entry, weights)
         options = ort.SessionOptions()
         options.log_severity_level = 3          # errors only: what goes wrong reaches the caller as one line
-        if threads:
+        if _shared_pool:
+            options.use_per_session_threads = False
+        elif threads:
             options.intra_op_num_threads = threads
-        if alternating:
+        if alternating and not _shared_pool:
             options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if load_check:
             options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL

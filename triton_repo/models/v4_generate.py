@@ -30,6 +30,7 @@ from v4engine.runtime.generator import Generator
 from v4engine.runtime.sampling import SamplingParams
 from v4engine.runtime.scheduler import Request
 from v4engine.runtime.serving import ServingLoop, Stream
+from v4engine.runtime.sessions.onnxruntime import share_thread_pool
 
 from ..config import SAMPLING
 from . import io
@@ -88,6 +89,7 @@ class TritonPythonModel:
             names = params["providers"].split(",")
             providers = [(n, {"device_id": args["model_instance_device_id"]}) if n == "CUDAExecutionProvider"
                          else n for n in names]
+        share_thread_pool()                 # each model instance is a process of its own (the Python backend's stub)
         generator = Generator.from_engine_dir(params["engine_dir"], max_batch=int(params["max_batch"]),
                                               providers=providers)
         self.metrics = Metrics({"model": args["model_name"], "version": args["model_version"]},

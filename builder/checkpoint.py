@@ -24,7 +24,7 @@ from pathlib import Path, PurePosixPath
 import numpy as np
 import torch
 
-from v4engine.plugins.moe import E2M1_VALUES, FP8_BLOCK, MXFP4_BLOCK
+from v4engine.plugins.moe import E2M1_VALUES, FP8_BLOCK, MXFP4_BLOCK, decode_mxfp4
 from v4engine.runtime.errors import V4EngineError
 from v4engine.runtime.untrusted import (HeaderError, JsonFields, in_blob_store, open_regular, read_header,
                                         read_json, shown)
@@ -54,7 +54,6 @@ FP8_QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "u
                            "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
 _FP8_MAX = 448.0
 _E2M1_MAX = 6.0
-_E2M1 = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32)
 MAX_SHARDS = 4096            # safetensors files one checkpoint may list (V4-Pro: 64); each is mapped at once
 
 # Canonical (official release) names.
@@ -260,10 +259,8 @@ class Checkpoint:
             s = s.repeat_interleave(FP8_BLOCK, 0)[:out].repeat_interleave(FP8_BLOCK, 1)[:, :inp]
             return (w * s).to(dtype)
         if info.format == "mxfp4":
-            codes = torch.from_numpy(np.array(self._raw(info).view(np.uint8))).long()
-            codes = torch.stack([codes & 0xF, codes >> 4], dim=-1).flatten(-2)
-            s = _decode(self._raw(info.scale), info.scale.dtype)
-            return (_E2M1[codes] * s.repeat_interleave(MXFP4_BLOCK, -1)).to(dtype)
+            packed = torch.from_numpy(np.array(self._raw(info).view(np.uint8)))
+            return decode_mxfp4(packed, _decode(self._raw(info.scale), info.scale.dtype).float()).to(dtype)
         if info.dtype in _INTEGER_DTYPES:
             return torch.from_numpy(np.array(self._raw(info), dtype=np.int64))
         return _decode(self._raw(info), info.dtype).to(dtype)

@@ -28,7 +28,6 @@ from v4engine.builder.corpus import stdlib_split
 from v4engine.runtime.generator import Generator
 from v4engine.runtime.metrics import RequestMetrics
 from v4engine.runtime.sampling import SamplingParams
-from v4engine.runtime.sessions.onnxruntime import share_thread_pool
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -152,8 +151,6 @@ def main() -> None:
                         "does; default) or a pool per session, the draft's and target's sleeping between turns")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    if args.pools == "shared":
-        share_thread_pool(args.threads)
     engine, hf = prepare(args.checkpoint, args.work)
     prompts = held_out_prompts(args.checkpoint / "tokenizer.json", args.prompts, args.prompt_tokens,
                                args.new_tokens, args.seed)
@@ -161,8 +158,8 @@ def main() -> None:
     model = oracle.load_transformers(hf)
     model.generation_config.eos_token_id = None              # fixed length, like ignore_eos below
     max_batch = max(args.batch_sizes)
-    generators = {k: Generator.from_engine_dir(engine, mtp=k, max_batch=max_batch, threads=args.threads)
-                  for k in range(4)}
+    generators = {k: Generator.from_engine_dir(engine, mtp=k, max_batch=max_batch, threads=args.threads,
+                                               share_threads=args.pools == "shared") for k in range(4)}
     for k, g in generators.items():                          # warm up every system once, untimed
         run_v4engine(g, prompts[:1], 8, Tally())
     run_transformers(model, prompts[0], 8, Tally())

@@ -276,8 +276,8 @@ class _Attacher:
         packed, scales = [f"{out}.{e}.{suffix}" for e in range(len(infos))], []
         for name, info in zip(packed, infos):
             self._in_place(name, TensorProto.INT8, (1, rows, cols // 2 if fmt == "mxfp4" else cols), info)
-            if fmt == "mxfp4":
-                scales.append(self._in_place(f"{name}.e8m0", TensorProto.UINT8, (1, rows, cols // MXFP4_BLOCK),
+            if fmt == "mxfp4":          # int8 too: TensorRT takes uint8 tensors only as network inputs or outputs
+                scales.append(self._in_place(f"{name}.e8m0", TensorProto.INT8, (1, rows, cols // MXFP4_BLOCK),
                                              info.scale))
             else:
                 grid = fp8_scale_rows(self.ckpt, info)[None]
@@ -287,7 +287,7 @@ class _Attacher:
         self.nodes.append(helper.make_node("Concat", packed, [f"{out}.{suffix}"], axis=0))
         if fmt == "mxfp4":
             self.nodes.append(helper.make_node("Concat", scales, [f"{out}.e8m0"], axis=0))
-            self._powers_of_two(f"{out}.e8m0", f"{out}.mxfp4_scale", bias=127.0)
+            self._powers_of_two(f"{out}.e8m0", f"{out}.mxfp4_scale", bias=127.0, as_int8=True)
         else:
             self.nodes.append(helper.make_node("Concat", scales, [f"{out}.fp8_scale"], axis=0))
         treatment = "fp4 in place, bytes for the kernel" if fmt == "mxfp4" else "fp8 in place, bytes for the kernel"
@@ -378,14 +378,23 @@ class _Attacher:
         """The stored E8M0 bytes (in place) as the scales 2^(e-127) of a blocked DequantizeLinear."""
         return self._powers_of_two(self._in_place(f"{out}.e8m0", TensorProto.UINT8, shape, info), out, bias=127.0)
 
-    def _powers_of_two(self, e8m0: str, out: str, bias: float) -> str:
+    def _powers_of_two(self, e8m0: str, out: str, bias: float, as_int8: bool = False) -> str:
         """2^(e-bias) computed in the graph from E8M0 bytes: opset 23 has no E8M0 scales. Exact for every exponent
         a weight uses; the codes' edges differ from Checkpoint.load (e = 255, E8M0's NaN, gives inf here; e = 0
-        gives the subnormal 2^-127, which hardware that flushes subnormals reads as 0)."""
+        gives the subnormal 2^-127, which hardware that flushes subnormals reads as 0). as_int8: the bytes are
+        typed int8, so -128..-1 stand for 128..255."""
         two = self._constant("v4.two", np.array(2.0, np.float32))
         offset = self._constant(f"v4.e8m0_bias_{bias:g}", np.array(bias, np.float32))
-        self.nodes += [helper.make_node("Cast", [e8m0], [f"{out}.exp"], to=TensorProto.FLOAT),
-                       helper.make_node("Sub", [f"{out}.exp", offset], [f"{out}.unbiased"]),
+        exponent = f"{out}.exp"
+        self.nodes.append(helper.make_node("Cast", [e8m0], [exponent], to=TensorProto.FLOAT))
+        if as_int8:
+            zero, wrap = (self._constant(f"v4.float_{v:g}", np.array(v, np.float32)) for v in (0.0, 256.0))
+            self.nodes += [helper.make_node("Less", [exponent, zero], [f"{out}.wrapped_byte"]),
+                           helper.make_node("Add", [exponent, wrap], [f"{out}.byte_plus_256"]),
+                           helper.make_node("Where", [f"{out}.wrapped_byte", f"{out}.byte_plus_256", exponent],
+                                            [f"{out}.unsigned"])]
+            exponent = f"{out}.unsigned"
+        self.nodes += [helper.make_node("Sub", [exponent, offset], [f"{out}.unbiased"]),
                        helper.make_node("Pow", [two, f"{out}.unbiased"], [out])]
         return out
 

@@ -5,7 +5,8 @@ function of standard ops (its lowering, inlined by ONNX Runtime and MIGraphX). T
 names come with the TensorRT backend (plugins/tensorrt): AOT_OPS run an ahead-of-time Triton kernel there, the
 routed experts (moe.py) run their kernels' torch launcher just in time (four launches and their scratch, which
 one AOT plugin cannot have). The export marks the routed experts as no plugin: ONNX Runtime replaces them by its
-own grouped MoE, MIGraphX by its MoE, and the TensorRT preparation makes them plugin nodes. One op is only ever
+own grouped MoE, the TensorRT preparation makes them plugin nodes, and MIGraphX inlines their functions (over
+the experts' stored bytes, as TensorRT's plugin takes them). One op is only ever
 its function: mHC's Sinkhorn rounds (sinkhorn.py), an op so that the export does not trace them layer by layer.
 """
 from __future__ import annotations

@@ -14,8 +14,8 @@ Realisations, each exact against the dense sum of every expert weighted by the d
 Two more ops take the experts as stored, for kernels that dequantize inside (the TensorRT plugins run
 plugins/kernels/moe.py): `Fp8RoutedExperts` (e4m3 bytes and fp32 scales per 128 inputs, a row each) and
 `Mxfp4RoutedExperts` (two e2m1 codes per byte, low nibble first, and fp32 scales per 32 inputs). Their bytes are
-int8 tensors (TensorRT has no uint8 weights) read as unsigned. The export never makes them: the TensorRT
-preparation rewrites RoutedExperts into one when the build kept the experts quantized. Their functions decode
+int8 tensors (TensorRT has no uint8 weights) read as unsigned. The export never makes them: the TensorRT and
+MIGraphX preparations rewrite RoutedExperts into one when the build kept the experts as stored bytes. Their functions decode
 the gathered bytes arithmetically (opset 23 has no bit cast), exactly.
 """
 from __future__ import annotations
@@ -150,7 +150,8 @@ def DecodeFp8(data: INT8, scale: FLOAT, like: FLOAT) -> FLOAT:
     subnormal = mantissa * op.CastLike(0.001953125, mantissa)
     value = op.Where(op.Equal(exponent, op.CastLike(0.0, exponent)), subnormal, normal)
     value = op.Where(op.Equal(magnitude, op.CastLike(127, byte)), op.CastLike(NAN, value), value)
-    value = op.Where(op.GreaterOrEqual(byte, op.CastLike(128, byte)), op.Neg(value), value)
+    sign = op.Where(op.GreaterOrEqual(byte, op.CastLike(128, byte)), op.CastLike(-1.0, value), op.CastLike(1.0, value))
+    value = value * sign                                           # 0x80 is -0.0 (a Where of Neg(0) drops the sign)
     return ScaledBlocks(value, scale, like, block=128)
 
 

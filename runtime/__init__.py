@@ -8,7 +8,6 @@ from .config import V4Config
 from .errors import ConfigError, V4EngineError
 from .generator import GenerationResult, Generator
 from .sampling import RequestError, SamplingParams
-from .sessions.onnxruntime import share_thread_pool
 
 __all__ = ["Generator", "GenerationResult", "SamplingParams", "RequestError", "V4Config", "ConfigError",
-           "V4EngineError", "share_thread_pool"]
+           "V4EngineError"]

@@ -16,7 +16,6 @@ from .detokenize import IncrementalDetokenizer
 from .errors import V4EngineError
 from .generator import Generator
 from .sampling import SamplingParams
-from .sessions.onnxruntime import share_thread_pool
 
 
 def parser() -> argparse.ArgumentParser:
@@ -65,8 +64,7 @@ def run(args: argparse.Namespace) -> int:
             prompt = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
         except ValueError:
             raise V4EngineError(f"--prompt-ids must be comma-separated integers (got {args.prompt_ids!r})") from None
-    share_thread_pool()                     # a program of its own: target and draft share one pool
-    generator = Generator.from_engine_dir(args.engine_dir, mtp=args.mtp)
+    generator = Generator.from_engine_dir(args.engine_dir, mtp=args.mtp, share_threads=True)   # our own process
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
     if args.stream and not args.json:       # text pieces never split a character nor show a stop string

@@ -84,13 +84,15 @@ class Generator:
                         max_batch: int | None = None, max_seq_len: int | None = None,
                         max_cache_bytes: int | None = None,
                         max_prefill_chunk: int | None = None, threads: int | None = None,
-                        providers: list[str] | None = None) -> "Generator":
+                        providers: list[str] | None = None, share_threads: bool = False) -> "Generator":
         """Open an engine directory. mtp (<= the engine's k, 0 disables drafting) defaults to the engine's.
 
         providers: ONNX Runtime execution providers, e.g. ["CUDAExecutionProvider", "CPUExecutionProvider"] with
         onnxruntime-gpu installed (default: the CPU). max_batch, max_seq_len and max_prefill_chunk (prompt tokens per
         engine call) default to the engine's; TensorRT and MIGraphX engines were built for shapes up to those, so
-        larger values are refused here rather than in the middle of a generation."""
+        larger values are refused here rather than in the middle of a generation. share_threads: an ONNX Runtime
+        engine's target and draft run on one process-wide pool (sessions/onnxruntime.share_thread_pool), which
+        changes every later ONNX Runtime session of the process: for a program's own process only."""
         path = Path(path)
         manifest = EngineManifest.read(path)
         if backend is not None and backend != manifest.backend:
@@ -107,6 +109,10 @@ class Generator:
         mtp = manifest.mtp if mtp is None else mtp
         if not 0 <= mtp <= manifest.mtp:
             raise RequestError(f"mtp must be between 0 and the engine's {manifest.mtp} (got {mtp})")
+        if share_threads and manifest.backend == "onnxruntime":
+            from .sessions.onnxruntime import share_thread_pool
+
+            share_thread_pool(threads)
         options = {k: v for k, v in (("threads", threads), ("providers", providers)) if v}
         if mtp:
             options["alternating"] = True                  # target and draft calls take turns on the same cores

@@ -86,6 +86,8 @@ def test_stored_bytes_decode_exactly_in_the_onnx_functions():
     scale = torch.tensor([[2.0 ** -3, 2.0 ** 5]])
     (fp8,) = run_onnx("DecodeFp8", [every, scale, torch.zeros(1)], {}, [(torch.float32, 2)], plugin=False)
     np.testing.assert_array_equal(fp8, decode_fp8(every, scale).numpy())
+    numbers = ~np.isnan(fp8)                                                # -0.0 too (a NaN's sign means nothing)
+    np.testing.assert_array_equal(np.signbit(fp8[numbers]), np.signbit(decode_fp8(every, scale).numpy()[numbers]))
     assert np.isnan(fp8).sum() == 2 and fp8[0, 1] == 2.0 ** -9 * 2.0 ** -3           # NaN codes; a subnormal
     scales = torch.exp2(torch.arange(16, dtype=torch.float32) - 8).reshape(1, 16)
     (fp4,) = run_onnx("DecodeMxfp4", [every, scales, torch.zeros(1)], {}, [(torch.float32, 2)], plugin=False)

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import onnx
 import pytest
 import torch
@@ -30,6 +31,8 @@ from v4engine.builder.backends.profiles import profiles
 from v4engine.builder.backends.tensorrt import build_plan, prepare_graph
 from v4engine.builder.build import BuildOptions, build
 from v4engine.builder.checkpoint import Checkpoint
+from v4engine.builder.weights import _Attacher
+from v4engine.runtime.backends import BACKENDS
 from v4engine.plugins import AOT_OPS, DOMAIN, PLUGIN_OPS
 from v4engine.plugins.moe import decode_fp8, decode_mxfp4
 from v4engine.runtime.backends import BuiltPlan
@@ -177,13 +180,30 @@ def test_stored_experts_decode_to_the_checkpoint_values(prepared, quantize):
     names = {i for n in needed for i in n.input}
     weights = [with_data(t, engine) for t in model.graph.initializer if t.name in names]
     outputs = [onnx.helper.make_tensor_value_info(w, onnx.TensorProto.UNDEFINED, None) for w in wanted]
-    graph = onnx.helper.make_graph(needed[::-1], "weights", [], outputs, weights)
+    in_order = [n for n in model.graph.node if n in needed]                 # the graph's own (topological) order
+    graph = onnx.helper.make_graph(in_order, "weights", [], outputs, weights)
     sub = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 23)])
     stored, scales = ReferenceEvaluator(sub).run(None, {})
     decode = decode_mxfp4 if quantize == "mxfp4" else decode_fp8
     got = decode(torch.from_numpy(stored), torch.from_numpy(scales))
     expected = torch.stack([ckpt.load(f"layers.3.ffn.experts.{e}.w1.weight") for e in range(8)])
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_every_e8m0_byte_held_as_int8_scales_by_its_power_of_two():
+    """TensorRT takes uint8 tensors only as network inputs and outputs, so E8M0 bytes are int8 in its graphs:
+    -128..-1 stand for the exponents 128..255 (255, E8M0's NaN, gives inf)."""
+    attach = _Attacher(None, None, BACKENDS["tensorrt"])
+    attach._powers_of_two("e8m0", "scale", bias=127.0, as_int8=True)
+    graph = onnx.helper.make_graph(attach.nodes, "scales", [onnx.helper.make_tensor_value_info(
+        "e8m0", onnx.TensorProto.INT8, [256])], [onnx.helper.make_tensor_value_info(
+            "scale", onnx.TensorProto.FLOAT, [256])], attach.initializers)
+    every = np.arange(256, dtype=np.uint8)
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 23)])
+    (scales,) = ReferenceEvaluator(model).run(None, {"e8m0": every.view(np.int8)})
+    with np.errstate(over="ignore"):                                        # 2^128 is inf in float32
+        expected = np.exp2(every.astype(np.float64) - 127).astype(np.float32)
+    np.testing.assert_array_equal(scales, expected)
 
 
 @pytest.mark.parametrize("quantize", ["fp8", "mxfp4"])
@@ -361,6 +381,24 @@ def test_a_prepared_engine_does_not_open_without_tensorrt(prepared):
         Generator.from_engine_dir(engine)
     assert "\n" not in str(failure.value)
     assert json.loads((engine / "engine.json").read_text())["backend"] == "tensorrt"
+
+
+def test_an_engine_whose_plugins_cannot_register_does_not_open(monkeypatch):
+    """TensorRT and CUDA present, but not the plugins' kernels (Triton): the routed experts run just in time, so
+    the session refuses in one line instead of a traceback."""
+    from v4engine.plugins import tensorrt as trt_plugins
+    from v4engine.runtime.sessions import tensorrt as session_module
+
+    monkeypatch.setitem(sys.modules, "tensorrt", SimpleNamespace(__version__="11.1.0"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+    def no_triton() -> None:
+        raise ModuleNotFoundError("No module named 'triton'")
+
+    monkeypatch.setattr(trt_plugins, "register_plugins", no_triton)
+    with pytest.raises(session_module.TensorRTUnavailable) as failure:
+        session_module._import_tensorrt()
+    assert "No module named 'triton'" in str(failure.value) and "\n" not in str(failure.value)
 
 
 def test_the_session_loads_the_plan_its_compile_record_names(prepared, tmp_path, monkeypatch):

@@ -1,5 +1,6 @@
-"""share_thread_pool(): target and draft run on one process-wide ONNX Runtime pool (what v4generate, the Triton
-model, the demo and the benchmarks ask for), and generate exactly what sessions with pools of their own do.
+"""share_threads=True (share_thread_pool()): target and draft run on one process-wide ONNX Runtime pool (what
+v4generate, the Triton model, the demo and the benchmarks ask for), and generate exactly what sessions with pools of
+their own do.
 
 ONNX Runtime makes the switch for the whole process and for good, so each case runs in a child process of its own:
 the pytest worker keeps making sessions with their own pools."""
@@ -15,16 +16,14 @@ from onnx import TensorProto, helper
 CHILD = r"""
 import json, os, sys
 import onnxruntime as ort
-from v4engine.runtime import Generator, SamplingParams, share_thread_pool
+from v4engine.runtime import Generator, SamplingParams
 
 def threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 shared = sys.argv[2] == "shared"
 before = threads()
-if shared:
-    share_thread_pool(2)
-generator = Generator.from_engine_dir(sys.argv[1], mtp=2, threads=2)
+generator = Generator.from_engine_dir(sys.argv[1], mtp=2, threads=2, share_threads=shared)
 [result] = generator.generate([[3, 4, 5, 6, 7, 8]], SamplingParams(max_new_tokens=12, ignore_eos=True))
 refused = None
 if shared:       # what ONNX Runtime does to a later session that asks for a pool of its own

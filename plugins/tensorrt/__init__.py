@@ -5,7 +5,8 @@ TensorRT's ONNX parser resolves a node to a plugin when its op_type is the plugi
 `v4::Name` registered here. The graphs keep the local function of the same name (the op's definition); the
 build's parser flag ENABLE_PLUGIN_OVERRIDE makes the plugin take precedence (docs/backends.md §3, §5). The plugins are Python "quickly deployable plugins" (`tensorrt.plugin`):
 `register_plugins()` must run in the process that builds the engine, and, for plugins run just in time, in the
-one that loads it; engines built with the ahead-of-time kernels (`aot=1` on the nodes) run without Python.
+one that loads it. The attention, indexer and compressor nodes run ahead-of-time kernels (`aot=1`); the routed
+experts run just in time, so every V4 engine (each has a MoE) loads where Python, torch and Triton are.
 
 Importing this package needs neither TensorRT nor Triton: shapes.py is pure, and plugins.py (Triton, torch)
 is imported by register_plugins() once TensorRT is known to be there.

@@ -16,7 +16,8 @@ and MTP draft) lets its idle threads sleep rather than spin: two spinning pools 
 than no drafting. `share_thread_pool()` gives every later session one process-wide pool instead, spinning, so the
 draft and the verify after it run on threads already awake. ONNX Runtime makes that switch for the whole process
 and for good: after it, it refuses any session made with a pool of its own (anyone's), so only a program's entry
-point makes it (v4generate, the Triton model, the demo, the benchmarks), never the library on its own.
+point asks for it (`Generator.from_engine_dir(..., share_threads=True)`: v4generate, the Triton model, the demo,
+the benchmarks), never the library on its own.
 """
 from __future__ import annotations
 
@@ -42,9 +43,7 @@ def share_thread_pool(threads: int | None = None) -> None:
     ONNX Runtime (see the module doc). Later calls change nothing."""
     global _shared_pool
     if not _shared_pool:
-        from onnxruntime.capi import _pybind_state
-
-        _pybind_state.set_global_thread_pool_sizes(threads or 0, 1)
+        ort.set_global_thread_pool_sizes(threads or 0, 1)
         _shared_pool = True
 
 

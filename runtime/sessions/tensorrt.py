@@ -44,7 +44,11 @@ def _import_tensorrt() -> tuple[Any, Any]:
         raise TensorRTUnavailable("this engine runs on TensorRT, but torch sees no CUDA GPU here")
     from v4engine.plugins.tensorrt import register_plugins
 
-    register_plugins()
+    try:
+        register_plugins()
+    except ImportError as e:        # the plugins' kernels need Triton (and onnxscript): the MoE runs just in time
+        raise TensorRTUnavailable(f"this engine's plugins cannot be registered here ({e}); install v4engine's "
+                                  "kernels extra (pip install 'v4engine[kernels]': triton) beside TensorRT") from None
     return trt, torch
 
 

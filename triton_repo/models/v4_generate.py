@@ -30,7 +30,6 @@ from v4engine.runtime.generator import Generator
 from v4engine.runtime.sampling import SamplingParams
 from v4engine.runtime.scheduler import Request
 from v4engine.runtime.serving import ServingLoop, Stream
-from v4engine.runtime.sessions.onnxruntime import share_thread_pool
 
 from ..config import SAMPLING
 from . import io
@@ -89,9 +88,9 @@ class TritonPythonModel:
             names = params["providers"].split(",")
             providers = [(n, {"device_id": args["model_instance_device_id"]}) if n == "CUDAExecutionProvider"
                          else n for n in names]
-        share_thread_pool()                 # each model instance is a process of its own (the Python backend's stub)
         generator = Generator.from_engine_dir(params["engine_dir"], max_batch=int(params["max_batch"]),
-                                              providers=providers)
+                                              providers=providers,
+                                              share_threads=True)   # an instance is a process (the stub's)
         self.metrics = Metrics({"model": args["model_name"], "version": args["model_version"]},
                                positions=generator.scheduler.mtp)
         self.gauges = (self.metrics.waiting, self.metrics.running, self.metrics.pending, self.metrics.cache_bytes)

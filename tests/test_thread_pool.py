@@ -1,6 +1,5 @@
 """share_threads=True (share_thread_pool()): target and draft run on one process-wide ONNX Runtime pool (what
-v4generate, the Triton model, the demo and the benchmarks ask for), and generate exactly what sessions with pools of
-their own do.
+v4generate, the demo and the benchmarks ask for), and generate exactly what sessions with pools of their own do.
 
 ONNX Runtime makes the switch for the whole process and for good, so each case runs in a child process of its own:
 the pytest worker keeps making sessions with their own pools."""

@@ -16,8 +16,8 @@ and MTP draft) lets its idle threads sleep rather than spin: two spinning pools 
 than no drafting. `share_thread_pool()` gives every later session one process-wide pool instead, spinning, so the
 draft and the verify after it run on threads already awake. ONNX Runtime makes that switch for the whole process
 and for good: after it, it refuses any session made with a pool of its own (anyone's), so only a program's entry
-point asks for it (`Generator.from_engine_dir(..., share_threads=True)`: v4generate, the Triton model, the demo,
-the benchmarks), never the library on its own.
+point asks for it (`Generator.from_engine_dir(..., share_threads=True)`: v4generate, the demo, the benchmarks),
+never the library on its own.
 """
 from __future__ import annotations
 

@@ -89,8 +89,7 @@ class TritonPythonModel:
             providers = [(n, {"device_id": args["model_instance_device_id"]}) if n == "CUDAExecutionProvider"
                          else n for n in names]
         generator = Generator.from_engine_dir(params["engine_dir"], max_batch=int(params["max_batch"]),
-                                              providers=providers,
-                                              share_threads=True)   # an instance is a process (the stub's)
+                                              providers=providers)
         self.metrics = Metrics({"model": args["model_name"], "version": args["model_version"]},
                                positions=generator.scheduler.mtp)
         self.gauges = (self.metrics.waiting, self.metrics.running, self.metrics.pending, self.metrics.cache_bytes)

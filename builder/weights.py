@@ -9,15 +9,16 @@ StackedExperts weight [E, out, in], which is the experts' own tensors as [1, out
   its float32 scales (the 128x128 e8m0 grid, expanded along the output axis as ONNX blocked
   quantization wants) go to the converted-weights file.
 - MXFP4 weights outside the experts: FLOAT4E2M1 in place, their E8M0 scales in place too, 2^(e-127) computed in
-  the graph, and a blocked DequantizeLinear (block 32).
+  the graph, and a blocked DequantizeLinear (block 32). E8M0 bytes are always typed int8 (TensorRT has no uint8
+  tensors inside a network) and read back unsigned.
 - Quantized routed experts take the form the backend's MoE reads (`Backend.expert_weights`):
   - INT8_CODES (ONNX Runtime, which has no FP4 kernel but an exact int8 MoE): the MXFP4 bytes stay in place and
     the graph widens them: each e2m1 code c becomes the uint8 128 + 2c through a table (int8_code_table), each
     scale 2^(e-128), stacked per layer; ONNX Runtime folds that at load, so the engine folder holds no copy of any
     expert (builder/backends/onnxruntime.py runs them);
-  - STORED_BYTES (TensorRT, whose plugin dequantizes inside its kernel): the bytes in place as int8, one Concat
-    per layer (`…routed.w1.mxfp4` or `.fp8`), and fp32 scales beside them (`….mxfp4_scale`: 2^(e-127) from the
-    E8M0 bytes in place; `….fp8_scale`: the rows of the 128x128 grid, converted);
+  - STORED_BYTES (TensorRT, whose plugin dequantizes inside its kernel; MIGraphX): the bytes in place as int8,
+    one Concat per layer (`…routed.w1.mxfp4` or `.fp8`), and fp32 scales beside them (`….mxfp4_scale`: 2^(e-127)
+    from the E8M0 bytes in place; `….fp8_scale`: the rows of the 128x128 grid, converted);
   - STACKED: as any weight, then stacked [E, out, in] for the op's function.
   Each backend says which quantized formats it keeps (`quantized_in_place`); the others are dequantized into the
   converted file.
@@ -276,9 +277,8 @@ class _Attacher:
         packed, scales = [f"{out}.{e}.{suffix}" for e in range(len(infos))], []
         for name, info in zip(packed, infos):
             self._in_place(name, TensorProto.INT8, (1, rows, cols // 2 if fmt == "mxfp4" else cols), info)
-            if fmt == "mxfp4":          # int8 too: TensorRT takes uint8 tensors only as network inputs or outputs
-                scales.append(self._in_place(f"{name}.e8m0", TensorProto.INT8, (1, rows, cols // MXFP4_BLOCK),
-                                             info.scale))
+            if fmt == "mxfp4":
+                scales.append(self._e8m0(f"{name}.e8m0", (1, rows, cols // MXFP4_BLOCK), info.scale))
             else:
                 grid = fp8_scale_rows(self.ckpt, info)[None]
                 self.initializers.append(_external(f"{name}.scale", TensorProto.FLOAT, grid.shape,
@@ -287,7 +287,7 @@ class _Attacher:
         self.nodes.append(helper.make_node("Concat", packed, [f"{out}.{suffix}"], axis=0))
         if fmt == "mxfp4":
             self.nodes.append(helper.make_node("Concat", scales, [f"{out}.e8m0"], axis=0))
-            self._powers_of_two(f"{out}.e8m0", f"{out}.mxfp4_scale", bias=127.0, as_int8=True)
+            self._powers_of_two(f"{out}.e8m0", f"{out}.mxfp4_scale", bias=127.0)
         else:
             self.nodes.append(helper.make_node("Concat", scales, [f"{out}.fp8_scale"], axis=0))
         treatment = "fp4 in place, bytes for the kernel" if fmt == "mxfp4" else "fp8 in place, bytes for the kernel"
@@ -304,8 +304,7 @@ class _Attacher:
             packed, exponents = [f"{out}.{part}.{e}.fp4" for e in range(len(infos))], []
             for name, info in zip(packed, infos):
                 self._in_place(name, TensorProto.UINT16, (1, rows, cols // 4), info)
-                exponents.append(self._in_place(f"{name}.e8m0", TensorProto.UINT8, (1, rows, cols // MXFP4_BLOCK),
-                                                info.scale))
+                exponents.append(self._e8m0(f"{name}.e8m0", (1, rows, cols // MXFP4_BLOCK), info.scale))
             self.nodes += [helper.make_node("Concat", packed, [f"{out}.{part}.fp4"], axis=0),
                            helper.make_node("Concat", exponents, [f"{out}.{part}.e8m0"], axis=0)]
             parts.append(f"{out}.{part}")
@@ -374,27 +373,29 @@ class _Attacher:
         self.initializers.append(_external(name, data_type, shape, location, info.offset, info.nbytes))
         return name
 
+    def _e8m0(self, name: str, shape: tuple[int, ...], info: TensorInfo) -> str:
+        """A scale's stored E8M0 bytes in place, typed int8 (TensorRT takes uint8 tensors only as network inputs and
+        outputs; every backend reads int8): _powers_of_two reads them back unsigned."""
+        return self._in_place(name, TensorProto.INT8, shape, info)
+
     def _e8m0_scale(self, out: str, info: TensorInfo, shape: tuple[int, ...]) -> str:
         """The stored E8M0 bytes (in place) as the scales 2^(e-127) of a blocked DequantizeLinear."""
-        return self._powers_of_two(self._in_place(f"{out}.e8m0", TensorProto.UINT8, shape, info), out, bias=127.0)
+        return self._powers_of_two(self._e8m0(f"{out}.e8m0", shape, info), out, bias=127.0)
 
-    def _powers_of_two(self, e8m0: str, out: str, bias: float, as_int8: bool = False) -> str:
-        """2^(e-bias) computed in the graph from E8M0 bytes: opset 23 has no E8M0 scales. Exact for every exponent
-        a weight uses; the codes' edges differ from Checkpoint.load (e = 255, E8M0's NaN, gives inf here; e = 0
-        gives the subnormal 2^-127, which hardware that flushes subnormals reads as 0). as_int8: the bytes are
-        typed int8, so -128..-1 stand for 128..255."""
+    def _powers_of_two(self, e8m0: str, out: str, bias: float) -> str:
+        """2^(e-bias) computed in the graph from E8M0 bytes held as int8 (`_e8m0`: -128..-1 stand for 128..255):
+        opset 23 has no E8M0 scales. Exact for every exponent a weight uses; the codes' edges differ from
+        Checkpoint.load (e = 255, E8M0's NaN, gives inf here; e = 0 gives the subnormal 2^-127, which hardware that
+        flushes subnormals reads as 0)."""
         two = self._constant("v4.two", np.array(2.0, np.float32))
         offset = self._constant(f"v4.e8m0_bias_{bias:g}", np.array(bias, np.float32))
-        exponent = f"{out}.exp"
-        self.nodes.append(helper.make_node("Cast", [e8m0], [exponent], to=TensorProto.FLOAT))
-        if as_int8:
-            zero, wrap = (self._constant(f"v4.float_{v:g}", np.array(v, np.float32)) for v in (0.0, 256.0))
-            self.nodes += [helper.make_node("Less", [exponent, zero], [f"{out}.wrapped_byte"]),
-                           helper.make_node("Add", [exponent, wrap], [f"{out}.byte_plus_256"]),
-                           helper.make_node("Where", [f"{out}.wrapped_byte", f"{out}.byte_plus_256", exponent],
-                                            [f"{out}.unsigned"])]
-            exponent = f"{out}.unsigned"
-        self.nodes += [helper.make_node("Sub", [exponent, offset], [f"{out}.unbiased"]),
+        zero, wrap = (self._constant(f"v4.float_{v:g}", np.array(v, np.float32)) for v in (0.0, 256.0))
+        self.nodes += [helper.make_node("Cast", [e8m0], [f"{out}.exp"], to=TensorProto.FLOAT),
+                       helper.make_node("Less", [f"{out}.exp", zero], [f"{out}.wrapped_byte"]),
+                       helper.make_node("Add", [f"{out}.exp", wrap], [f"{out}.byte_plus_256"]),
+                       helper.make_node("Where", [f"{out}.wrapped_byte", f"{out}.byte_plus_256", f"{out}.exp"],
+                                        [f"{out}.unsigned"]),
+                       helper.make_node("Sub", [f"{out}.unsigned", offset], [f"{out}.unbiased"]),
                        helper.make_node("Pow", [two, f"{out}.unbiased"], [out])]
         return out
 
@@ -463,9 +464,9 @@ def attach_weights(proto: onnx.ModelProto, ckpt: Checkpoint, cfg: V4Config, writ
         experts = stacked_expert_names(name, cfg.n_routed_experts)
         if table is not None:
             attach.inline(numpy_helper.from_array(table.numpy(), tensor.name))
-        elif experts is not None and expert_form(backend, ckpt.info(experts[0]).format) == INT8_CODES:
+        elif experts is not None and (form := expert_form(backend, ckpt.info(experts[0]).format)) == INT8_CODES:
             _int8_experts(attach, ckpt, tensor.name, experts, shape)
-        elif experts is not None and expert_form(backend, ckpt.info(experts[0]).format) == STORED_BYTES:
+        elif experts is not None and form == STORED_BYTES:
             attach.stored_bytes(tensor.name, [ckpt.info(e) for e in experts], shape)
         elif experts is not None:
             attach.stacked(tensor.name, [ckpt.info(e) for e in experts], shape, tensor.data_type)

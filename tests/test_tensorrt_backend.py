@@ -194,7 +194,7 @@ def test_every_e8m0_byte_held_as_int8_scales_by_its_power_of_two():
     """TensorRT takes uint8 tensors only as network inputs and outputs, so E8M0 bytes are int8 in its graphs:
     -128..-1 stand for the exponents 128..255 (255, E8M0's NaN, gives inf)."""
     attach = _Attacher(None, None, BACKENDS["tensorrt"])
-    attach._powers_of_two("e8m0", "scale", bias=127.0, as_int8=True)
+    attach._powers_of_two("e8m0", "scale", bias=127.0)
     graph = onnx.helper.make_graph(attach.nodes, "scales", [onnx.helper.make_tensor_value_info(
         "e8m0", onnx.TensorProto.INT8, [256])], [onnx.helper.make_tensor_value_info(
             "scale", onnx.TensorProto.FLOAT, [256])], attach.initializers)

@@ -47,7 +47,6 @@ def share_thread_pool(threads: int | None = None) -> None:
         _shared_pool = True
 
 
-
 def release_freed_heap() -> None:
     """Give the C heap's free memory back to the system (glibc's malloc_trim; nothing elsewhere). ONNX Runtime
     folds constant subgraphs at load, the int8 experts' widening among them, and glibc keeps the freed

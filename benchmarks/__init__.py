@@ -8,12 +8,24 @@ from v4engine.builder.cli import main as v4build
 
 
 def built_engine(checkpoint: Path, work: Path, mtp: int = 3) -> Path:
-    """work/engine: the engine of `checkpoint` with --mtp `mtp`, built unless a finished one is there (reruns reuse
-    it; v4build --force replaces only folders of its own)."""
+    """work/engine: the engine of `checkpoint` with --mtp `mtp`, built unless a finished one this runtime reads is
+    there (reruns reuse it; an engine of an older format is rebuilt; v4build --force replaces only folders of its
+    own)."""
     engine = work / "engine"
     work.mkdir(parents=True, exist_ok=True)
-    if not (engine / "engine.json").is_file():
+    if not _readable(engine):
         if v4build(["--checkpoint", str(checkpoint), "--mtp", str(mtp), "--output", str(engine), "--force",
                     "--quiet"]):
             raise SystemExit(f"v4build failed for {checkpoint}")
     return engine
+
+
+def _readable(engine: Path) -> bool:
+    from v4engine.runtime.engine import EngineManifest
+    from v4engine.runtime.engine_folder import EngineFormatError
+
+    try:
+        EngineManifest.read(engine)
+    except EngineFormatError:
+        return False
+    return True

@@ -6,7 +6,8 @@ never saw; v4engine.builder.corpus's split), greedy unless --temperature, one ru
     fp32 as the engine uses them) and v4engine MTP = 0..3 run back to back, so machine noise hits all alike;
   - batch 4 and 16 (v4engine only), the prompts cycled, each system in turn per round.
 Reports tokens/s, time to first token, acceptance rate, mean acceptance length, per-position acceptance and
-host overhead (time outside engine calls, as a share of step time), then the ratios the issue asks for.
+host overhead (time outside engine calls, as a share of step time), the per-call costs of the first batch size
+(decode, verify and draft cycle in decode units, and the MTP = 3 speedup they bound), then the ratios.
 
     .venv/bin/python -m benchmarks.bench_generate [--checkpoint examples/tiny-v4] [--work /tmp/bench-generate] \
         [--pools shared|own]
@@ -111,6 +112,45 @@ def run_v4engine(generator: Generator, prompts: list[list[int]], new_tokens: int
     tally.metrics = generator.totals
 
 
+class CallClock:
+    """Every engine call's seconds by kind (Scheduler.on_call): `decode` (target, one token per row), `verify`
+    (target, 2..k+1), `draft` (one whole draft cycle over 1..k+1 committed positions); prompts are `prefill` and
+    `extend`."""
+
+    def __init__(self, mtp: int) -> None:
+        self.mtp = mtp
+        self.seconds: dict[str, list[float]] = {}
+
+    def __call__(self, graph: str, shape: tuple[int, ...], seconds: float) -> None:
+        short = shape[1] <= self.mtp + 1
+        if graph == "draft":
+            kind = "draft" if short else "extend"
+        else:
+            kind = "decode" if shape[1] == 1 else "verify" if short else "prefill"
+        self.seconds.setdefault(kind, []).append(seconds)
+
+    def median(self, kind: str) -> float:
+        return statistics.median(self.seconds[kind])
+
+
+def call_costs(decode: CallClock, drafting: CallClock, mean_acceptance_length: float, measured: float) -> str:
+    """Median call costs in decode units, and the speedup they allow at the measured acceptance length: tokens
+    per cycle / (verify + draft), engine time only (host time and the decodes' own wake-ups aside)."""
+    unit = decode.median("decode")
+    verify, draft = drafting.median("verify") / unit, drafting.median("draft") / unit
+    bound = mean_acceptance_length / (verify + draft)
+    return "\n".join([
+        f"### per-call costs (batch 1, medians; MTP = {drafting.mtp} calls from the MTP = {drafting.mtp} generator)",
+        "", "| call | calls | median | in decodes |", "|---|---|---|---|",
+        f"| decode (MTP = 0, q = 1) | {len(decode.seconds['decode'])} | {1000 * unit:.2f} ms | 1.00 |",
+        f"| verify (q = 2..{drafting.mtp + 1}) | {len(drafting.seconds['verify'])} | "
+        f"{1000 * drafting.median('verify'):.2f} ms | {verify:.2f} |",
+        f"| draft cycle ({drafting.mtp} drafts, one call) | {len(drafting.seconds['draft'])} | "
+        f"{1000 * drafting.median('draft'):.2f} ms | {draft:.2f} |",
+        "", f"bound at mean acceptance length {mean_acceptance_length:.2f}: {mean_acceptance_length:.2f} / "
+        f"({verify:.2f} + {draft:.2f}) = {bound:.2f}x; measured {measured:.2f}x = {measured / bound:.0%} of it"])
+
+
 # --------------------------------------------------------------------------- the run
 def prepare(checkpoint: Path, work: Path) -> tuple[Path, Path]:
     """The v4engine engine (--mtp 3) and an fp32 transformers copy of the same (dequantized) target weights."""
@@ -162,6 +202,9 @@ def main() -> None:
                                                share_threads=args.pools == "shared") for k in range(4)}
     for k, g in generators.items():                          # warm up every system once, untimed
         run_v4engine(g, prompts[:1], 8, Tally())
+    clocks = {k: CallClock(k) for k in (0, 3)}              # batch 1 only (the first batch size)
+    for k, clock in clocks.items():
+        generators[k].scheduler.on_call = clock
     run_transformers(model, prompts[0], 8, Tally())
 
     sections = []
@@ -189,13 +232,17 @@ def main() -> None:
                 lossless = all(a == b for a, b in zip(t.outputs, tallies[0].outputs))
                 print(f"batch {batch} MTP = {k}: tokens {'equal' if lossless else 'DIFFER from'} MTP = 0")
         rows[batch] = batch_rows
+        for k in clocks:
+            generators[k].scheduler.on_call = None
         sections.append(table(f"batch {batch} ({len(groups)} x {batch} prompts, {args.new_tokens} new tokens each, "
                               f"temperature {args.temperature:g})",
                               batch_rows))
     print("\n\n".join(sections))
     one = rows[args.batch_sizes[0]]
-    print("\nratios (tokens/s, batch 1):")
-    print(f"  v4engine MTP = 3 / MTP = 0:      {one['v4engine MTP = 3']['tokens/s'] / one['v4engine MTP = 0']['tokens/s']:.2f}x")
+    speedup = one['v4engine MTP = 3']['tokens/s'] / one['v4engine MTP = 0']['tokens/s']
+    print("\n" + call_costs(clocks[0], clocks[3], one["v4engine MTP = 3"]["mean acc. length"], speedup))
+    print(f"\nratios (tokens/s, batch {args.batch_sizes[0]}):")
+    print(f"  v4engine MTP = 3 / MTP = 0:      {speedup:.2f}x")
     if "transformers eager" in one:
         print(f"  v4engine MTP = 0 / transformers: "
               f"{one['v4engine MTP = 0']['tokens/s'] / one['transformers eager']['tokens/s']:.2f}x")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import json
 import shutil
 import tempfile
 import time
@@ -22,7 +23,6 @@ import torch
 from tqdm import tqdm
 
 from v4engine.plugins import DOMAIN, OPSET, onnx_functions
-from v4engine.plugins.sinkhorn import NAME as SINKHORN
 from v4engine.runtime.backends import BACKENDS, INT8_CODES, STORED_BYTES
 from v4engine.runtime.engine import (ACTIVATION_DTYPES, BUILT_LIMIT_DEFAULTS, FORMAT, MANIFEST, MAX_MTP, VALUE_BYTES,
                                      EngineManifest, GraphEntry, check_limits)
@@ -133,11 +133,7 @@ def _write_graph(tmp: Path, name: str, options: BuildOptions, cfg, ckpt, writer:
                  ) -> tuple[dict[str, int], dict[str, WeightGroup], Any]:
     """Export, attach weights, prepare for the backend, check and save one graph: (weight counts, bytes by weight
     group, what the backend's preparation recorded)."""
-    draft = name == "draft"
-    model = export_graph(cfg, draft=draft, dtype=DTYPES[options.dtype], max_batch=options.max_batch,
-                         max_seq_len=options.max_seq_len)
-    proto = serialize_without_data(model)
-    split_sequences(proto.graph)
+    proto = exported_graph(cfg, name == "draft", options)
     clock.lap("export")
     counts, groups = attach_weights(proto, ckpt, cfg, writer, BACKENDS[options.backend])
     add_functions(proto)
@@ -151,14 +147,31 @@ def _write_graph(tmp: Path, name: str, options: BuildOptions, cfg, ckpt, writer:
     return counts, groups, prepared
 
 
+_EXPORTED: dict[tuple, bytes] = {}         # this process's last few exports, serialized
+_EXPORTS_KEPT = 4
+
+
+def exported_graph(cfg, draft: bool, options: BuildOptions) -> onnx.ModelProto:
+    """The exported target or draft graph, serialized without data, its sequence splits made Splits; a fresh copy
+    from this process's cache when it exported the same before. An export depends only on the model config, the
+    graph, dtype, limits and k, never on the weights, and costs tens of seconds per graph even for a tiny model:
+    a process that builds one model again (another weight format or backend; the tests) skips it."""
+    key = (json.dumps(cfg.to_dict(), sort_keys=True), draft, options.dtype, options.max_batch, options.max_seq_len,
+           options.mtp if draft else 0)
+    if key not in _EXPORTED:
+        proto = serialize_without_data(export_graph(cfg, draft=draft, dtype=DTYPES[options.dtype],
+                                                    max_batch=options.max_batch, max_seq_len=options.max_seq_len,
+                                                    mtp=options.mtp))
+        split_sequences(proto.graph)
+        while len(_EXPORTED) >= _EXPORTS_KEPT:
+            _EXPORTED.pop(next(iter(_EXPORTED)))
+        _EXPORTED[key] = proto.SerializeToString()
+    return onnx.ModelProto.FromString(_EXPORTED[key])
+
+
 def add_functions(proto: onnx.ModelProto) -> None:
-    """The v4 ops' functions and the opsets the graph imports; HcSinkhorn's function unrolled for the rounds its
-    nodes carry (one count per model)."""
-    rounds = {a.i for n in proto.graph.node if n.domain == DOMAIN and n.op_type == SINKHORN
-              for a in n.attribute if a.name == "rounds"}
-    if len(rounds) > 1:
-        raise BuildError(f"{SINKHORN} nodes disagree on their rounds: {sorted(rounds)}")
-    proto.functions.extend(onnx_functions(sinkhorn_rounds=rounds.pop() if rounds else None))
+    """The v4 ops' functions and the opsets the graph imports."""
+    proto.functions.extend(onnx_functions())
     del proto.opset_import[:]
     proto.opset_import.extend([onnx.helper.make_opsetid("", OPSET), onnx.helper.make_opsetid(DOMAIN, 1)])
 
@@ -225,7 +238,8 @@ def build(options: BuildOptions) -> EngineManifest:
                 shutil.copyfile(checkpoint_file(options.checkpoint, f, str(options.checkpoint)), tmp / f)
             graphs, caches = {}, {}
             for name in parts:
-                inputs, outputs = graph_specs(cfg, draft=name == "draft", dtype=ACTIVATION_DTYPES[options.dtype])
+                inputs, outputs = graph_specs(cfg, draft=name == "draft", dtype=ACTIVATION_DTYPES[options.dtype],
+                                              mtp=options.mtp)
                 graphs[name] = GraphEntry(f"{name}.onnx", tuple(inputs), tuple(outputs))
                 caches[name] = CacheLayout(cfg, name == "draft", options.mtp, VALUE_BYTES[options.dtype])
             experts = _experts(cfg.expert_dtype, options.backend)

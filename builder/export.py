@@ -4,8 +4,10 @@ graph (the MTP layer), with flat, named inputs and outputs that follow the engin
 Inputs of the target graph: `input_ids`, `positions` [batch, seq], then one `past.{layer}.{cache}` per group of
 the cache layout (windows and partial windows of fixed length, compressed rows of dynamic length). Outputs:
 `logits`, `hidden` (pre-head streams), then one `new.{layer}.{cache}` per group: per-position deltas, or
-per-window rows for the compressed caches. The draft graph takes `hidden`, `input_ids` (the next tokens),
-`positions` and its own window. Batch, sequence and row counts are dynamic.
+per-window rows for the compressed caches. The draft graph runs a whole draft cycle (builder/model/drafting.py):
+`hidden`, `input_ids` (the next tokens), `positions`, `lengths`, the rows' sampling settings and uniform numbers,
+and its own window in; `drafts`, `draft_probs` and the window's new rows out. Batch, sequence and row counts are
+dynamic; k is fixed per engine.
 
 Weights are not written here: the model is exported on the meta device and the builder attaches every
 initializer afterwards (builder/weights.py), pointing into the checkpoint files.
@@ -27,11 +29,12 @@ from v4engine.runtime.config import SLIDING, V4Config
 from v4engine.runtime.layout import CacheLayout, TensorSpec, graph_specs
 
 from .model import LayerCache, Transformer
+from .model.drafting import draft_cycle
 from .model.rope import inv_freq
 
 
 class _Graph(nn.Module):
-    """Flat tensors in and out around Transformer.forward / Transformer.draft."""
+    """Flat tensors in and out around Transformer.forward (target) or drafting.draft_cycle (draft)."""
 
     def __init__(self, model: Transformer, draft: bool):
         super().__init__()
@@ -40,7 +43,7 @@ class _Graph(nn.Module):
 
     def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.draft:
-            hidden, input_ids, positions, *past = args
+            hidden, input_ids, positions, lengths, temperature, top_k, top_p, uniforms, *past = args
         else:
             input_ids, positions, *past = args
         caches: dict[int, LayerCache] = {}
@@ -49,11 +52,11 @@ class _Graph(nn.Module):
             setattr(cache, group.name, tensor)
         layers = [caches[layer] for layer in sorted(caches)]
         if self.draft:
-            out = self.model.draft(hidden, input_ids, positions, layers[0])
-        else:
-            out = self.model(input_ids, positions, layers)
-        deltas = {self.groups[0].layer + i if self.draft else i: d for i, d in enumerate(out.deltas)}
-        return (out.logits, out.hidden, *(getattr(deltas[g.layer], g.name) for g in self.groups))
+            cycle = draft_cycle(self.model, hidden, input_ids, positions, lengths, layers[0], temperature, top_k,
+                                top_p, uniforms)
+            return (cycle.drafts, cycle.probs, *(getattr(cycle.delta, g.name) for g in self.groups))
+        out = self.model(input_ids, positions, layers)
+        return (out.logits, out.hidden, *(getattr(out.deltas[g.layer], g.name) for g in self.groups))
 
 
 def _example(spec: TensorSpec, sizes: dict[str, int]) -> torch.Tensor:
@@ -71,12 +74,13 @@ def rope_table(cfg: V4Config, initializer: str) -> torch.Tensor | None:
 
 
 def export_graph(cfg: V4Config, draft: bool, dtype: torch.dtype = torch.float32, max_batch: int = 64,
-                 max_seq_len: int = 4096) -> ir.Model:
-    """The target or draft graph as an onnx_ir Model whose checkpoint initializers have no data yet."""
+                 max_seq_len: int = 4096, mtp: int = 0) -> ir.Model:
+    """The target graph, or the draft graph of k = mtp drafts per call, as an onnx_ir Model whose checkpoint
+    initializers have no data yet."""
     dtype_name = str(dtype).removeprefix("torch.")
     with torch.device("meta"):                               # no weight memory, whatever the model size
         model = Transformer(cfg, mtp=draft).stack_experts().to_dtype(dtype).eval()
-    inputs, outputs = graph_specs(cfg, draft, dtype_name)
+    inputs, outputs = graph_specs(cfg, draft, dtype_name, mtp)
     max_rows = max_seq_len // min(cfg.compress_rates.values()) + 1
     dims = {"batch": Dim("batch", min=1, max=max_batch), "seq": Dim("seq", min=1, max=max_seq_len),
             "rows_csa": Dim("rows_csa", min=0, max=max_rows), "rows_hca": Dim("rows_hca", min=0, max=max_rows)}

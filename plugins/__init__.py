@@ -22,12 +22,9 @@ PLUGIN_OPS: tuple[str, ...] = tuple(f.name for m in _MODULES for f in m.PLUGIN_F
 AOT_OPS: tuple[str, ...] = tuple(name for name in PLUGIN_OPS if name not in {f.name for f in moe.PLUGIN_FUNCTIONS})
 
 
-def onnx_functions(sinkhorn_rounds: int | None = None) -> list[onnx.FunctionProto]:
-    """Every op's lowering and the helpers they call, ready for `ModelProto.functions`; with the model's
-    mHC Sinkhorn rounds, that op's function too (a model's graphs need it: see sinkhorn.py)."""
-    out = []
-    if sinkhorn_rounds is not None:
-        out.append(sinkhorn_function(sinkhorn_rounds))
+def onnx_functions() -> list[onnx.FunctionProto]:
+    """Every op's lowering and the helpers they call, ready for `ModelProto.functions`."""
+    out = [sinkhorn_function()]
     for module in _MODULES:
         for fn in module.PLUGIN_FUNCTIONS:
             proto = fn.to_function_proto()

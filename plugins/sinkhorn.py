@@ -1,11 +1,12 @@
 """mHC's Sinkhorn normalization (docs/model.md §2.2): rounds of row then column normalization of the [N, N] stream
 mixing matrix, each division's denominator + eps.
 
-Under export the rounds are one `v4::HcSinkhorn` node, and the model gets a local function holding them unrolled
-(the round count is the model's, hc_sinkhorn_iters - 1, so `sinkhorn_function` is made per build). ONNX Runtime
-and TensorRT inline it: the engine runs the very same nodes as before. What it saves is export time: traced, the
-rounds were about half of every layer's nodes, and the export of a 43-layer model is paid per node. Not a plugin:
-the node carries no plugin_namespace.
+Under export the rounds are one `v4::HcSinkhorn` node, and the model gets a local function holding them as one
+ONNX Loop (the round count, hc_sinkhorn_iters - 1, is the node's attribute). ONNX Runtime, TensorRT and MIGraphX
+inline the function: the engine runs one Loop node per Sinkhorn instead of six nodes per round, the very same
+arithmetic in the same order. Unrolled, the rounds were about 40% of every call's nodes, and on a small model
+ONNX Runtime's cost per node is most of a call. As an op, the export does not trace them layer by layer either.
+Not a plugin: the node carries no plugin_namespace.
 """
 from __future__ import annotations
 
@@ -28,20 +29,32 @@ def hc_sinkhorn(comb: torch.Tensor, *, rounds: int, eps: float) -> torch.Tensor:
     return comb
 
 
-def sinkhorn_function(rounds: int) -> onnx.FunctionProto:
-    """The op's ONNX function, unrolled for `rounds` rounds; eps is the node's attribute."""
+def sinkhorn_function() -> onnx.FunctionProto:
+    """The op's ONNX function: one Loop of `rounds` trips over a body of one round (rows, then columns); rounds
+    and eps are the node's attributes. One Loop rather than the rounds unrolled: on ONNX Runtime's CPU a trip costs about
+    two thirds of six separate nodes, for the same arithmetic in the same order (benchmarks/RESULTS.md)."""
     eps = helper.make_node("Constant", [], ["eps"])
     eps.attribute.append(onnx.AttributeProto(name="value_float", ref_attr_name="eps", type=onnx.AttributeProto.FLOAT))
-    nodes = [eps, helper.make_node("Constant", [], ["rows"], value=helper.make_tensor("", TensorProto.INT64, [1], [-1])),
-             helper.make_node("Constant", [], ["cols"], value=helper.make_tensor("", TensorProto.INT64, [1], [-2]))]
-    value = "comb"
-    for i in range(2 * rounds):
-        axes, out = ("rows", "cols")[i % 2], f"c{i}"
-        nodes += [helper.make_node("ReduceSum", [value, axes], [f"{out}.sum"], keepdims=1),
-                  helper.make_node("Add", [f"{out}.sum", "eps"], [f"{out}.den"]),
-                  helper.make_node("Div", [value, f"{out}.den"], [out])]
-        value = out
-    nodes.append(helper.make_node("Identity", [value], ["out"]))
+    body = helper.make_graph(
+        [helper.make_node("ReduceSum", ["comb_in", "rows"], ["row_sum"], keepdims=1),
+         helper.make_node("Add", ["row_sum", "eps"], ["row_den"]),
+         helper.make_node("Div", ["comb_in", "row_den"], ["by_rows"]),
+         helper.make_node("ReduceSum", ["by_rows", "cols"], ["col_sum"], keepdims=1),
+         helper.make_node("Add", ["col_sum", "eps"], ["col_den"]),
+         helper.make_node("Div", ["by_rows", "col_den"], ["comb_out"]),
+         helper.make_node("Identity", ["go_in"], ["go_out"])],
+        "round", [helper.make_tensor_value_info("trip", TensorProto.INT64, []),
+                  helper.make_tensor_value_info("go_in", TensorProto.BOOL, []),
+                  helper.make_tensor_value_info("comb_in", TensorProto.FLOAT, None)],
+        [helper.make_tensor_value_info("go_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("comb_out", TensorProto.FLOAT, None)])
+    trips = helper.make_node("Constant", [], ["trips"])
+    trips.attribute.append(onnx.AttributeProto(name="value_int", ref_attr_name="rounds", type=onnx.AttributeProto.INT))
+    nodes = [eps, trips,
+             helper.make_node("Constant", [], ["rows"], value=helper.make_tensor("", TensorProto.INT64, [1], [-1])),
+             helper.make_node("Constant", [], ["cols"], value=helper.make_tensor("", TensorProto.INT64, [1], [-2])),
+             helper.make_node("Constant", [], ["go"], value=helper.make_tensor("", TensorProto.BOOL, [], [True])),
+             helper.make_node("Loop", ["trips", "go", "comb"], ["out"], body=body)]
     return helper.make_function(DOMAIN, NAME, ["comb"], ["out"], nodes, [helper.make_opsetid("", OPSET)],
                                 attributes=["rounds", "eps"])
 

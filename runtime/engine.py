@@ -24,7 +24,8 @@ from .layout import CacheGroup, CacheLayout, TensorSpec, graph_specs
 from .untrusted import JsonFields, parse_json, shown
 
 FORMAT = "v4engine"
-FORMAT_VERSION = 3          # 2: linked checkpoint files carry their header's SHA-256; 3: cache groups list view_rows
+FORMAT_VERSION = 4          # 2: linked checkpoint files carry their header's SHA-256; 3: cache groups list view_rows;
+                            # 4: the draft graph runs a whole draft cycle (k drafts per call)
 # Serving limits a build records in engine.json (build.*), and what they are when an engine does not say.
 BUILT_LIMIT_DEFAULTS = {"max_batch": 8, "max_seq_len": 4096, "max_prefill_chunk": 512}
 MAX_BATCH = 4096            # the largest --max-batch a build accepts and engine.json may record
@@ -126,7 +127,7 @@ class EngineManifest:
             raise EngineFormatError(f"{path}: field 'graphs' must hold {parts} for mtp {mtp} (got {shown(sorted(graphs))})")
         entries = {}
         for part in parts:        # what the model config implies, which engine.json must say exactly
-            inputs, outputs = graph_specs(model, part == "draft", ACTIVATION_DTYPES[dtype])
+            inputs, outputs = graph_specs(model, part == "draft", ACTIVATION_DTYPES[dtype], mtp)
             entries[part] = GraphEntry(field.nested("graphs").nested(part).get("file", str),
                                        tuple(inputs), tuple(outputs))
             if graphs[part] != {"file": entries[part].file, **_spec_dicts(entries[part])}:

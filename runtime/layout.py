@@ -155,12 +155,26 @@ def _dynamic_rows(group: CacheGroup, what: str) -> str:
     return f"{what}_csa" if group.kind == CSA else f"{what}_hca"
 
 
-def graph_specs(cfg: V4Config, draft: bool, dtype: str = "float32") -> tuple[list[TensorSpec], list[TensorSpec]]:
-    """(inputs, outputs) of the target or draft graph: the engine contract."""
-    layout = CacheLayout(cfg, draft)
+def graph_specs(cfg: V4Config, draft: bool, dtype: str = "float32", mtp: int = 0
+                ) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """(inputs, outputs) of the target or draft graph: the engine contract.
+
+    The draft graph is a whole draft cycle of k = mtp drafts (builder/model/drafting.py): the target's streams
+    `hidden` and the next tokens over the newly committed positions, each row's valid `lengths`, its sampling
+    settings and one uniform number per draft in; `drafts`, the distributions they were drawn from
+    (`draft_probs`) and the extend's cache rows out."""
     tokens = [TensorSpec("input_ids", "int64", ("batch", "seq")), TensorSpec("positions", "int64", ("batch", "seq"))]
-    hidden = TensorSpec("hidden", dtype, ("batch", "seq", cfg.hc_mult, cfg.hidden_size))
-    inputs = ([hidden] if draft else []) + tokens + layout.inputs(dtype)
-    out_hidden = TensorSpec("next_hidden", dtype, hidden.shape) if draft else hidden   # the draft's own streams
-    outputs = [TensorSpec("logits", "float32", ("batch", "seq", cfg.vocab_size)), out_hidden]
-    return inputs, outputs + layout.outputs(dtype)
+    layout = CacheLayout(cfg, draft)
+    if not draft:
+        outputs = [TensorSpec("logits", "float32", ("batch", "seq", cfg.vocab_size)),
+                   TensorSpec("hidden", dtype, ("batch", "seq", cfg.hc_mult, cfg.hidden_size))]
+        return tokens + layout.inputs(dtype), outputs + layout.outputs(dtype)
+    if mtp < 1:
+        raise ValueError(f"the draft graph drafts k >= 1 tokens (got mtp {mtp})")
+    inputs = [TensorSpec("hidden", dtype, ("batch", "seq", cfg.hc_mult, cfg.hidden_size)), *tokens,
+              TensorSpec("lengths", "int64", ("batch",)), TensorSpec("temperature", "float32", ("batch",)),
+              TensorSpec("top_k", "int64", ("batch",)), TensorSpec("top_p", "float32", ("batch",)),
+              TensorSpec("uniforms", "float32", ("batch", mtp))]
+    outputs = [TensorSpec("drafts", "int64", ("batch", mtp)),
+               TensorSpec("draft_probs", "float32", ("batch", mtp, cfg.vocab_size))]
+    return inputs + layout.inputs(dtype), outputs + layout.outputs(dtype)

@@ -5,9 +5,10 @@ verify rows), each handled by its own phase and length, never by the shape of th
 
 One scheduler step:
 1. admit waiting requests whose caches fit the budget (engine.json's bytes, exactly);
-2. DRAFT-EXTEND + DRAFT for decoding requests: the MTP layer over the positions the target committed since
-   the last draft (the whole prompt on the first cycle), fed (H_i, t_{i+1}); its last row gives d1, then k-1
-   single-row steps on its own streams give d2..dk; the draft cache then rolls back to the committed length;
+2. DRAFT for decoding requests, one engine call (builder/model/drafting.py): the MTP layer over the positions
+   the target committed since the last draft (the whole prompt on the first cycle), fed (H_i, t_{i+1}); its last
+   row gives d1, then k-1 single-row steps on its own streams give d2..dk, drawn inside the graph from the
+   request's sampling settings; the draft cache keeps only the committed positions' rows;
 3. one target call over every active row: the next prefill chunk, or VERIFY [t, d1..dk];
 4. COMMIT: prefill rows commit the chunk; verify rows accept j drafts + 1 token (greedy or lossless
    sampling) and commit j+1 positions; stop conditions end requests, whose caches are released.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -108,6 +110,8 @@ class Scheduler:
         self.active: list[Request] = []
         self._ids = itertools.count()
         self.engine_steps = 0
+        # Called after every engine call with (graph, its input_ids shape, seconds): benchmarks time calls by kind
+        self.on_call: Callable[[str, tuple[int, ...], float], None] | None = None
 
     # ------------------------------------------------------------------ requests
     def cache_bytes(self, capacity: int, num_draft_tokens: int | None = None) -> int:
@@ -230,21 +234,35 @@ class Scheduler:
     def _run(self, session: EngineSession, feeds: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], float]:
         started = time.perf_counter()
         out = session.run(feeds)
+        seconds = time.perf_counter() - started
         self.engine_steps += 1
-        return out, time.perf_counter() - started
+        if self.on_call is not None:
+            self.on_call("draft" if session is self.draft_session else "target", feeds["input_ids"].shape, seconds)
+        return out, seconds
 
-    def _draft_call(self, requests: list[Request], hidden: list[np.ndarray], ids: list[list[int]]
+    def _draft_call(self, requests: list[Request], hidden: list[np.ndarray], ids: list[list[int]], drafting: list[bool]
                     ) -> tuple[dict[str, np.ndarray], float]:
-        S = max(len(t) for t in ids)
-        B = len(requests)
+        """One draft-cycle call: the extend rows of each request, and its k drafts. Sampling rows that draft in this
+        call (`drafting`: the chunk is their last) get their uniform numbers from their own generator."""
+        S, B, K = max(len(t) for t in ids), len(requests), self.manifest.mtp
         N, D = self.cfg.hc_mult, self.cfg.hidden_size
         h = np.zeros((B, S, N, D), self.dtype)
         tok = np.zeros((B, S), np.int64)
-        for b, (rows, t) in enumerate(zip(hidden, ids)):
+        uniforms = np.zeros((B, K), np.float32)
+        for b, (r, rows, t, draws) in enumerate(zip(requests, hidden, ids, drafting)):
             h[b, : len(t)] = rows
             tok[b, : len(t)] = t
-        positions = np.array([r.draft.length for r in requests])[:, None] + np.arange(S)
-        feeds = {"hidden": h, "input_ids": tok, "positions": positions,
+            if draws and not r.params.greedy:
+                uniforms[b, : r.num_draft_tokens] = r.rng.random(r.num_draft_tokens)
+        params = [r.params for r in requests]
+        feeds = {"hidden": h, "input_ids": tok,
+                 "positions": np.array([r.draft.length for r in requests])[:, None] + np.arange(S),
+                 "lengths": np.array([len(t) for t in ids], np.int64),
+                 "temperature": np.array([p.temperature for p in params], np.float32),
+                 "top_k": np.array([min(p.top_k, self.cfg.vocab_size) for p in params], np.int64),
+                 "top_p": np.array([p.top_p for p in params], np.float32),
+                 # float32 may round a number just below 1 up to 1; the graph's draw handles u = 1 too
+                 "uniforms": uniforms,
                  **batch_views([r.draft for r in requests], self.groups["draft"])}
         return self._run(self.draft_session, feeds)
 
@@ -252,45 +270,29 @@ class Scheduler:
         return {(g.layer, g.name): out[g.new][b] for g in self.groups[part]}
 
     def _draft(self, requests: list[Request]) -> float:
-        """DRAFT-EXTEND over the newly committed positions, then recursive DRAFT steps: d1..dk per request, k its
-        own num_draft_tokens (a request leaves the recursive calls once it has its k drafts)."""
+        """One draft cycle per request: DRAFT-EXTEND over the newly committed positions and the recursive steps,
+        in one engine call (more only when the extend is longer than a prefill chunk). Each request keeps its own
+        num_draft_tokens of the engine's k drafts, and, when it samples, the distributions they were drawn from."""
         if not requests:
             return 0.0
         hidden = {r.id: np.concatenate(r.pending_hidden) for r in requests}
         ids = {r.id: r.tokens[r.draft.length + 1: r.target.length + 1] for r in requests}
-        engine, last_h, chunk = 0.0, {}, self.max_prefill_chunk
+        engine, chunk = 0.0, self.max_prefill_chunk
         for start in range(0, max(map(len, ids.values())), chunk):      # in chunks, as the target prefills
             rows = [r for r in requests if len(ids[r.id]) > start]
+            last = [len(ids[r.id]) <= start + chunk for r in rows]
             out, t = self._draft_call(rows, [hidden[r.id][start: start + chunk] for r in rows],
-                                      [ids[r.id][start: start + chunk] for r in rows])
+                                      [ids[r.id][start: start + chunk] for r in rows], last)
             engine += t
-            for b, r in enumerate(rows):
-                n = len(ids[r.id][start: start + chunk])
-                r.draft.commit(self._deltas(out, "draft", b), n)
-                if start + n == len(ids[r.id]):                         # its last chunk: the first draft
-                    self._propose(r, out["logits"][b, n - 1])
-                    last_h[r.id] = out["next_hidden"][b, n - 1: n]
+            for b, (r, drafting) in enumerate(zip(rows, last)):
+                r.draft.commit(self._deltas(out, "draft", b), len(ids[r.id][start: start + chunk]))
+                if drafting:
+                    r.drafts = [int(d) for d in out["drafts"][b, : r.num_draft_tokens]]
+                    if not r.params.greedy:
+                        r.draft_probs = list(out["draft_probs"][b, : r.num_draft_tokens])
         for r in requests:
             r.pending_hidden = []
-        for depth in range(1, max(r.num_draft_tokens for r in requests)):
-            deeper = [r for r in requests if r.num_draft_tokens > depth]
-            out, t = self._draft_call(deeper, [last_h[r.id] for r in deeper], [[r.drafts[-1]] for r in deeper])
-            engine += t
-            for b, r in enumerate(deeper):
-                r.draft.commit(self._deltas(out, "draft", b), 1)          # kept only while drafting
-                self._propose(r, out["logits"][b, 0])
-                last_h[r.id] = out["next_hidden"][b, 0:1]
-        for r in requests:
-            r.draft.truncate(r.target.length)                           # drafted rows are rewritten from true streams
         return engine
-
-    def _propose(self, r: Request, logits: np.ndarray) -> None:
-        if r.params.greedy:
-            r.drafts.append(int(logits.argmax()))
-        else:
-            q = distribution(logits, r.params)
-            r.drafts.append(draw(q, r.rng))
-            r.draft_probs.append(q)
 
     def _target(self, rows: list[Request], new_tokens: dict[int, list[int]]) -> float:
         """One target call: a prefill chunk or [t, d1..dk] per row; then acceptance and commit."""

@@ -56,7 +56,7 @@ def test_a_signal_mid_build_cleans_up(checkpoint, tmp_path, signum):
     assert leftovers(out) == []
 
 
-STAGES = ["open_checkpoint", "export_graph", "attach_weights", "prepare_graph", "check_graph", "compile_engine"]
+STAGES = ["open_checkpoint", "exported_graph", "attach_weights", "prepare_graph", "check_graph", "compile_engine"]
 
 
 @pytest.mark.parametrize("stage", STAGES)

@@ -133,13 +133,13 @@ def test_migraphx_programs_must_follow_the_profiles_order(engines, tmp_path):
     programs = {graph: [{"profile": p["name"], "file": f"{graph}.{p['name']}.mxr"} for p in ps]
                 for graph, ps in profiles.items()}
     compiled = EngineManifest.read(damaged(engine, tmp_path / "ordered", lambda r: r.update(programs=programs)))
-    assert [p.file for p in compiled.compiled.programs["draft"]] == ["draft.extend.mxr", "draft.step.mxr"]
+    assert [p.file for p in compiled.compiled.programs["draft"]] == ["draft.extend.mxr", "draft.cycle.mxr"]
     swapped = {**programs, "draft": programs["draft"][::-1]}
     message = refused(damaged(engine, tmp_path / "swapped", lambda r: r.update(programs=swapped)))
     assert "'build.compile.programs.draft[0].profile' must be 'extend'" in message
     missing = {**programs, "draft": programs["draft"][:1]}
     message = refused(damaged(engine, tmp_path / "missing", lambda r: r.update(programs=missing)))
-    assert "'build.compile.programs.draft'" in message and "['extend', 'step']" in message
+    assert "'build.compile.programs.draft'" in message and "['extend', 'cycle']" in message
 
 
 def test_plans_for_other_graphs_are_refused(engines, tmp_path):

@@ -1,5 +1,6 @@
 """The ONNX Runtime engine equals our PyTorch model within 1e-4 (fp32): every output (logits, hidden streams,
-state deltas) for prefill, verify (q = k+1) and MTP steps, batches of 1 and 3 rows of different lengths."""
+state deltas) for prefill, verify (q = k+1) and whole draft cycles (drafts, their distributions, the extend's
+rows), batches of 1 and 3 rows of different lengths."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,6 +9,7 @@ import torch
 
 from v4engine.builder.load import load_model
 from v4engine.builder.model import ModelState
+from v4engine.builder.model.drafting import draft_cycle
 from v4engine.builder.tiny import TINY_CONFIGS
 from v4engine.runtime.engine import EngineManifest
 from v4engine.runtime.sessions import open_session
@@ -37,7 +39,7 @@ def feeds(manifest: EngineManifest, part: str, state: ModelState, **tokens: torc
 def expected(manifest: EngineManifest, part: str, result) -> dict[str, np.ndarray]:
     layers = sorted({g.layer for g in manifest.cache_groups(part)})
     deltas = dict(zip(layers, result.deltas))
-    out = {"logits": result.logits, ("next_hidden" if part == "draft" else "hidden"): result.hidden}
+    out = {"logits": result.logits, "hidden": result.hidden}
     for g in manifest.cache_groups(part):
         out[f"new.{g.layer}.{g.name}"] = getattr(deltas[g.layer], g.name)
     return {k: v.detach().numpy() for k, v in out.items()}
@@ -80,19 +82,30 @@ def test_prefill_then_verify_steps_in_batches_of_one_and_three(engine):
             state.commit(result.deltas, [max(1, s - step % 3) for s in sizes])   # some tails rejected
 
 
-def test_mtp_steps(engine):
+def test_draft_cycles(engine):
+    """Extends of different lengths per row (padding after the shorter ones), greedy and sampling rows side by
+    side, each with its own top-k and top-p: the same drafts, distributions and extend rows as draft_cycle."""
     model, manifest, sessions = engine
     cfg = model.cfg
     gen = torch.Generator().manual_seed(1)
     B = 3
     draft = ModelState(cfg, B, draft=True)
-    for sizes in ([7, 2, 12], [1, 1, 1], [4, 1, 2], [1, 1, 1]):
+    settings = {"temperature": torch.tensor([0.0, 1.0, 0.6]), "top_k": torch.tensor([0, 0, 40]),
+                "top_p": torch.tensor([1.0, 0.9, 1.0])}
+    for sizes in ([7, 2, 12], [1, 1, 1], [4, 1, 2], [MTP + 1] * 3, [80, 1, 3]):
         S = max(sizes)
         hidden = torch.randn(B, S, cfg.hc_mult, cfg.hidden_size, generator=gen)
         ids = torch.randint(0, cfg.vocab_size, (B, S), generator=gen)
-        positions = draft.positions(S)
+        positions, lengths = draft.positions(S), torch.tensor(sizes)
+        uniforms = torch.rand(B, MTP, generator=gen)
         with torch.no_grad():
-            result = model.draft(hidden, ids, positions, draft.views()[0])
-        got = sessions["draft"].run(feeds(manifest, "draft", draft, hidden=hidden, input_ids=ids, positions=positions))
-        assert_same(got, expected(manifest, "draft", result), f"draft step {sizes}")
-        draft.commit(result.deltas, sizes)
+            cycle = draft_cycle(model, hidden, ids, positions, lengths, draft.views()[0], **settings,
+                                uniforms=uniforms)
+        inputs = dict(hidden=hidden, input_ids=ids, positions=positions, lengths=lengths, uniforms=uniforms,
+                      **settings)
+        got = sessions["draft"].run(feeds(manifest, "draft", draft, **inputs))
+        want = {"drafts": cycle.drafts.numpy(), "draft_probs": cycle.probs.numpy(),
+                **{g.new: getattr(cycle.delta, g.name).numpy() for g in manifest.cache_groups("draft")}}
+        assert (got["drafts"] == want["drafts"]).all(), f"draft cycle {sizes}: drafts differ"
+        assert_same(got, want, f"draft cycle {sizes}")
+        draft.commit([cycle.delta], sizes)

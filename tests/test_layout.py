@@ -44,7 +44,7 @@ def test_the_eager_model_holds_a_field_for_every_group(name):
 def test_the_graphs_read_and_write_every_group_by_its_name(name):
     cfg = V4Config.from_dict(TINY_CONFIGS[name])
     for draft in (False, True):
-        inputs, outputs = graph_specs(cfg, draft)
+        inputs, outputs = graph_specs(cfg, draft, mtp=3)
         layout = CacheLayout(cfg, draft)
         assert [s.name for s in inputs if s.name.startswith("past.")] == [g.past for g in layout.groups]
         assert [s.name for s in outputs if s.name.startswith("new.")] == [g.new for g in layout.groups]

@@ -71,7 +71,7 @@ def test_variant_is_what_migraphx_parses(engines):
     for groups in manifest.build["weight_groups"].values():
         assert list(groups["routed experts"]["resident"]) == ["as stored + float32 scales"], "no expert converted"
     assert manifest.compiled.allowlist["migraphx"] == allowlist()["migraphx_version"]
-    assert [p.name for p in manifest.compiled.profiles["draft"]] == ["extend", "step"]
+    assert [p.name for p in manifest.compiled.profiles["draft"]] == ["extend", "cycle"]
     assert manifest.compiled.variant["draft"].opset == 19
 
 
@@ -131,4 +131,4 @@ def test_the_session_loads_one_program_per_profile_in_their_order(engines, tmp_p
     loaded = []
     monkeypatch.setattr(session_module, "_migraphx", lambda: SimpleNamespace(load=loaded.append))
     open_session(engine, EngineManifest.read(engine), "draft")
-    assert [Path(path).name for path in loaded] == ["draft.extend.mxr", "draft.step.mxr"]
+    assert [Path(path).name for path in loaded] == ["draft.extend.mxr", "draft.cycle.mxr"]

@@ -5,6 +5,7 @@ t_{i+2}; drafts beyond the prompt recurse on the MTP's own output streams and it
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -86,3 +87,47 @@ def test_training_mode_routes_only_chosen_tokens_to_experts_with_the_same_result
         finally:
             model.eval()
     assert (dense - sparse).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("lengths", [[5], [9, 2, 4]])
+def test_a_draft_cycle_is_the_extend_then_recursive_steps_on_the_cache(model, lengths):
+    """draft_cycle (the draft graph) equals calling the layer step by step on a cache that commits each step:
+    the extend over each row's own positions (a shorter row's padding never read), then k - 1 recursive steps.
+    Greedy rows draft the argmax; a sampling row's distribution is sampling.distribution's (float32)."""
+    from v4engine.builder.model.drafting import draft_cycle
+    from v4engine.runtime.sampling import SamplingParams, distribution
+
+    cfg, k, B = model.cfg, 3, len(lengths)
+    gen = torch.Generator().manual_seed(sum(lengths))
+    S = max(lengths)
+    hidden = torch.randn(B, S, cfg.hc_mult, cfg.hidden_size, generator=gen)
+    ids = torch.randint(0, cfg.vocab_size, (B, S), generator=gen)
+    state = ModelState(cfg, B, draft=True)
+    history = torch.randn(B, 70, cfg.hc_mult, cfg.hidden_size, generator=gen)      # a past longer than the window
+    with torch.no_grad():
+        past = model.draft(history, torch.randint(0, cfg.vocab_size, (B, 70), generator=gen), state.positions(70),
+                           state.views()[0])
+    state.commit(past.deltas, [70] * B)
+    params = [SamplingParams(temperature=0.0)] + [SamplingParams(temperature=0.8, top_k=30, top_p=0.95)] * (B - 1)
+    settings = {"temperature": torch.tensor([p.temperature for p in params]),
+                "top_k": torch.tensor([p.top_k for p in params]), "top_p": torch.tensor([p.top_p for p in params])}
+    with torch.no_grad():
+        cycle = draft_cycle(model, hidden, ids, state.positions(S), torch.tensor(lengths), state.views()[0],
+                            uniforms=torch.rand(B, k, generator=gen), **settings)
+        for b, n in enumerate(lengths):                        # each row alone, one call per step
+            row = ModelState(cfg, 1, draft=True)
+            row.commit([type(past.deltas[0])(window_kv=past.deltas[0].window_kv[b:b + 1])], [70])
+            o = model.draft(hidden[b:b + 1, :n], ids[b:b + 1, :n], row.positions(n), row.views()[0])
+            assert (cycle.delta.window_kv[b, :n] - o.deltas[0].window_kv[0]).abs().max().item() <= TOL
+            row.commit(o.deltas, [n])
+            logits = o.logits[:, -1]
+            for step in range(k):
+                if params[b].greedy:
+                    assert cycle.drafts[b, step].item() == int(logits.argmax())
+                else:
+                    p = distribution(logits[0].numpy(), params[b])
+                    assert np.abs(cycle.probs[b, step].numpy() - p).max() <= 1e-5
+                d = cycle.drafts[b, step:step + 1].unsqueeze(0)
+                o = model.draft(o.hidden[:, -1:], d, row.positions(1), row.views()[0])
+                row.commit(o.deltas, [1])
+                logits = o.logits[:, -1]

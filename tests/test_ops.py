@@ -35,7 +35,7 @@ def run_onnx(op: str, inputs: list[torch.Tensor], attrs: dict, out_specs: list[t
         [helper.make_tensor_value_info(o, _DTYPES[dt], [f"{o}_{i}" for i in range(rank)])
          for o, (dt, rank) in zip(outs, out_specs)])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(DOMAIN, 1)],
-                              functions=onnx_functions(sinkhorn_rounds=19), ir_version=10)
+                              functions=onnx_functions(), ir_version=10)
     onnx.checker.check_model(model, full_check=True)
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     return session.run(None, {n: t.numpy() for n, t in zip(names, inputs)})
@@ -62,9 +62,10 @@ def test_every_op_has_a_function():
     assert {f.name for f in onnx_functions()} >= set(PLUGIN_OPS)
 
 
-def test_sinkhorn_function_is_its_reference_unrolled(gen):
-    """The mHC Sinkhorn rounds as one node: its function (19 rounds, V4's 20 iterations) runs the reference's
-    very operations, so ONNX Runtime agrees to float rounding; the reference gives doubly stochastic rows."""
+def test_sinkhorn_function_is_its_reference_in_one_loop(gen):
+    """The mHC Sinkhorn rounds as one node: its function (a Loop of 19 rounds, V4's 20 iterations) runs the
+    reference's very operations, so ONNX Runtime agrees to float rounding; the reference gives doubly stochastic
+    rows."""
     comb = torch.rand(2, 5, 4, 4, generator=gen) + 0.01
     expected = hc_sinkhorn(comb, rounds=19, eps=1e-6)
     (got,) = run_onnx("HcSinkhorn", [comb], {"rounds": 19, "eps": 1e-6}, [(torch.float32, 4)], plugin=False)

@@ -225,7 +225,7 @@ def graphs() -> dict[str, onnx.ModelProto]:
     cfg = V4Config.from_dict(TINY_CONFIGS["split_groups"], source="tiny config split_groups")
     out = {}
     for name, dtype in (("target", torch.bfloat16), ("draft", torch.float32)):
-        proto = serialize_without_data(export_graph(cfg, draft=name == "draft", dtype=dtype))
+        proto = serialize_without_data(export_graph(cfg, draft=name == "draft", dtype=dtype, mtp=3))
         add_functions(proto)
         out[name] = proto
     out["stored experts"] = stored_experts_graph(experts=8, dim=256, inter=128, k=3)

@@ -23,8 +23,12 @@ def first_call_feeds(manifest: EngineManifest, graph: str, batch: int, seq: int)
     caches = [SequenceCache(cfg, groups, 4 * seq, np.float32) for _ in range(batch)]
     feeds = {"input_ids": rng.integers(0, cfg.vocab_size, (batch, seq)),
              "positions": np.tile(np.arange(seq), (batch, 1)), **batch_views(caches, groups)}
-    if graph == "draft":
-        feeds["hidden"] = rng.standard_normal((batch, seq, cfg.hc_mult, cfg.hidden_size)).astype(np.float32)
+    if graph == "draft":              # greedy and sampling rows alike
+        feeds |= {"hidden": rng.standard_normal((batch, seq, cfg.hc_mult, cfg.hidden_size)).astype(np.float32),
+                  "lengths": np.full(batch, seq, np.int64),
+                  "temperature": np.arange(batch, dtype=np.float32) % 2,
+                  "top_k": np.zeros(batch, np.int64), "top_p": np.ones(batch, np.float32),
+                  "uniforms": rng.random((batch, manifest.mtp), dtype=np.float32)}
     return feeds
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -60,11 +60,20 @@ def lower_opset(model: onnx.ModelProto, opset: int) -> None:
     (bf16 Cos/Sin/Softplus at 22, 4-bit and FP8 types at 21/23) or blocked DequantizeLinear (21), which the
     variant no longer holds; onnx.checker and strict, type-checked shape inference against the older schemas then
     prove it (onnx.version_converter cannot run on graphs whose initializers are external and unloaded)."""
-    for node in model.graph.node:
+    for node in all_nodes(model.graph):
         onnx.defs.get_schema(node.op_type, opset)           # raises for an op that did not exist yet
     for entry in model.opset_import:
         if entry.domain in ("", "ai.onnx"):
             entry.version = opset
+
+
+def all_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
+    """The graph's nodes and those of every subgraph in them (Loop bodies, If branches), depth first."""
+    for node in graph.node:
+        yield node
+        for attribute in node.attribute:
+            for subgraph in [attribute.g] if attribute.HasField("g") else attribute.graphs:
+                yield from all_nodes(subgraph)
 
 
 def offenders(model: onnx.ModelProto) -> list[str]:
@@ -78,7 +87,7 @@ def offenders(model: onnx.ModelProto) -> list[str]:
     if model.functions:
         found.append(f"{len(model.functions)} model-local function(s) such as {model.functions[0].name} "
                      "(never parsed)")
-    for node in model.graph.node:
+    for node in all_nodes(model.graph):
         where = f"node '{node.name or node.output[0]}'"
         if node.op_type not in ops:
             found.append(f"op {node.op_type} ({where})")

@@ -118,8 +118,14 @@ def grouped_moe(model: onnx.ModelProto) -> int:
     return count
 
 
+def _made(nodes: list[onnx.NodeProto], value: str) -> bool:
+    """Whether `value` is already made: the draft graph's k MTP steps share one layer's weights, widened once."""
+    return any(value in node.output for node in nodes)
+
+
 def _to_fp32(nodes: list[onnx.NodeProto], value: str) -> str:
-    nodes.append(helper.make_node("Cast", [value], [f"{value}.fp32"], to=onnx.TensorProto.FLOAT))
+    if not _made(nodes, f"{value}.fp32"):
+        nodes.append(helper.make_node("Cast", [value], [f"{value}.fp32"], to=onnx.TensorProto.FLOAT))
     return f"{value}.fp32"
 
 
@@ -127,6 +133,8 @@ def _fc1(nodes: list[onnx.NodeProto], w1: str, w3: str) -> str:
     """fc1 of ONNX Runtime's float MoE from the gate and up weights [E, inter, in]: their rows interleaved, gate
     first ([E, 2 inter, in]; builder/weights.py does the same for int8 experts, on their packed bytes)."""
     out = f"{w1}.fc1"
+    if _made(nodes, out):
+        return out
     nodes += [helper.make_node("Unsqueeze", [w, "v4.moe.rows_axis"], [f"{w}.rows"]) for w in (w1, w3)]
     nodes += [helper.make_node("Concat", [f"{w1}.rows", f"{w3}.rows"], [f"{out}.pairs"], axis=2),
               helper.make_node("Shape", [w1], [f"{out}.experts"], end=1),

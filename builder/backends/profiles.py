@@ -11,9 +11,10 @@ def profiles(manifest: EngineManifest, graph: str) -> list[Profile]:
     """The runtime's calls of `graph` (runtime/scheduler.py), as optimization profiles.
 
     target: `prefill` (chunks of up to max_prefill_chunk tokens, verify rows riding along) and `verify`
-    (k+1 tokens per row: every decode step). draft: `extend` (the newly committed tokens, in chunks) and
-    `step` (one token per row: the recursive draft steps). Batch 1..max_batch; cached rows of each compressed
-    kind 0..max_seq_len/ratio + 1 (its own ratio: HCA's rows are a 32nd of CSA's at V4's 4 and 128)."""
+    (k+1 tokens per row: every decode step). draft: `extend` (a prompt's positions, in chunks) and `cycle` (the
+    1..k+1 positions a verify committed: every decode step); both then run the k draft steps. Batch
+    1..max_batch; cached rows of each compressed kind 0..max_seq_len/ratio + 1 (its own ratio: HCA's rows are a
+    32nd of CSA's at V4's 4 and 128)."""
     build = manifest.build
     max_batch, chunk, max_seq = build["max_batch"], build["max_prefill_chunk"], build["max_seq_len"]
     cfg = manifest.model
@@ -22,7 +23,7 @@ def profiles(manifest: EngineManifest, graph: str) -> list[Profile]:
     if graph == "target":
         kinds = {"prefill": (1, chunk, chunk), "verify": (1, manifest.mtp + 1, manifest.mtp + 1)}
     else:
-        kinds = {"extend": (1, chunk, chunk), "step": (1, 1, 1)}
+        kinds = {"extend": (1, chunk, chunk), "cycle": (1, manifest.mtp + 1, manifest.mtp + 1)}
     dims = {"batch": (1, 1, max_batch)} | {kind: (0, n // 2, n) for kind, n in rows.items()}
     out = []
     for name, seq in kinds.items():

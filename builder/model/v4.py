@@ -394,9 +394,18 @@ class MTPLayer(Block):
     def step(self, hidden: torch.Tensor, embedded: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
              cache: LayerCache) -> tuple[torch.Tensor, torch.Tensor, LayerDelta]:
         """hidden [B,S,N,D] streams at positions; embedded = embed(next tokens). Returns (pre-head, streams, delta)."""
+        x, delta = self.streams(hidden, embedded, input_ids, positions, cache)
+        return self.collapse(x), x, delta
+
+    def streams(self, hidden: torch.Tensor, embedded: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
+                cache: LayerCache) -> tuple[torch.Tensor, LayerDelta]:
+        """The layer's output streams [B,S,N,D] and its cache delta."""
         x = self.h_proj(self.hnorm(hidden)) + self.e_proj(self.enorm(embedded)).unsqueeze(2)
-        x, delta = self.forward(x, input_ids, positions, cache)
-        return self.norm(hyper_head(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.cfg)), x, delta
+        return self.forward(x, input_ids, positions, cache)
+
+    def collapse(self, x: torch.Tensor) -> torch.Tensor:
+        """Streams -> the shared LM head's input: the layer's own hc head, then its norm."""
+        return self.norm(hyper_head(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.cfg))
 
 
 class Transformer(nn.Module):

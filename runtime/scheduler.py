@@ -260,9 +260,9 @@ class Scheduler:
                  "lengths": np.array([len(t) for t in ids], np.int64),
                  "temperature": np.array([p.temperature for p in params], np.float32),
                  "top_k": np.array([min(p.top_k, self.cfg.vocab_size) for p in params], np.int64),
-                 "top_p": np.array([p.top_p for p in params], np.float32),
-                 # float32 may round a number just below 1 up to 1; the graph's draw handles u = 1 too
-                 "uniforms": uniforms,
+                 # in float32 a top_p as small as 1e-300 must not become 0 (which would keep no token)
+                 "top_p": np.maximum(np.array([p.top_p for p in params], np.float32), np.finfo(np.float32).tiny),
+                 "uniforms": uniforms,           # float32 may round u up to 1: the graph's draw takes u = 1 too
                  **batch_views([r.draft for r in requests], self.groups["draft"])}
         return self._run(self.draft_session, feeds)
 

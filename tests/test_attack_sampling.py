@@ -91,6 +91,10 @@ def test_extreme_values_that_can_be_served_are_served_exactly(generator):
     sampled = dict(temperature=0.8, seed=2**64 - 1)
     assert tokens(generator, **sampled) == tokens(generator, **sampled)
     assert tokens(generator, top_k=10**30, **sampled) == tokens(generator, top_k=0, **sampled)
+    # a top_p below float32's range still keeps the most likely token, in the draft graph too: greedy, drafts accepted
+    nucleus = generator.generate([PROMPT], SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=1.0,
+                                                          top_p=5e-324, seed=1))[0]
+    assert nucleus.token_ids == tokens(generator) and nucleus.metrics["acceptance_rate"] > 0
 
 
 def test_numpy_scalars_are_the_numbers_they_hold(generator):

@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from v4engine.plugins import DOMAIN, OPSET, onnx_functions
 from v4engine.runtime.backends import BACKENDS, INT8_CODES, STORED_BYTES
+from v4engine.runtime.config import V4Config
 from v4engine.runtime.engine import (ACTIVATION_DTYPES, BUILT_LIMIT_DEFAULTS, FORMAT, MANIFEST, MAX_MTP, VALUE_BYTES,
                                      EngineManifest, GraphEntry, check_limits)
 from v4engine.runtime.layout import CacheLayout, graph_specs
@@ -151,7 +152,7 @@ _EXPORTED: dict[tuple, bytes] = {}         # this process's last few exports, se
 _EXPORTS_KEPT = 4
 
 
-def exported_graph(cfg, draft: bool, options: BuildOptions) -> onnx.ModelProto:
+def exported_graph(cfg: V4Config, draft: bool, options: BuildOptions) -> onnx.ModelProto:
     """The exported target or draft graph, serialized without data, its sequence splits made Splits; a fresh copy
     from this process's cache when it exported the same before. An export depends only on the model config, the
     graph, dtype, limits and k, never on the weights, and costs tens of seconds per graph even for a tiny model:

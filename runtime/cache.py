@@ -4,7 +4,7 @@ Groups and their sizes come from the cache layout (runtime/layout.py): the slidi
 partial windows are rings of `rows_fixed` rows indexed by position (at least window + k slots, so a
 rolled-back draft tail never overwrites a row a later query still sees); compressed rows and index keys grow
 one row per `ratio` tokens up to the sequence's capacity. The engine never writes caches: it returns deltas,
-and `commit(n)` keeps the first n new positions. Rollback is committing fewer, or `truncate`.
+and `commit(n)` keeps the first n new positions. Rollback is committing fewer.
 """
 from __future__ import annotations
 
@@ -54,12 +54,6 @@ class SequenceCache:
                 keep = min(n, buf.shape[0])
                 buf[np.arange(self.length + n - keep, self.length + n) % buf.shape[0]] = new[n - keep:n]
         self.length += n
-
-    def truncate(self, length: int) -> None:
-        """Forget positions >= length (their ring slots and rows are simply overwritten later)."""
-        if length > self.length:
-            raise ValueError(f"cannot truncate a cache of {self.length} positions to {length}")
-        self.length = length
 
 
 def batch_views(caches: list[SequenceCache], groups: list[CacheGroup]) -> dict[str, np.ndarray]:

@@ -227,7 +227,7 @@ class Scheduler:
             self.waiting.pop(0)
             request.target = SequenceCache(self.cfg, self.groups["target"], request.capacity, self.dtype)
             if request.num_draft_tokens:            # a request that does not draft needs no draft cache
-                request.draft = SequenceCache(self.cfg, self.groups["draft"], request.capacity + self.mtp, self.dtype)
+                request.draft = SequenceCache(self.cfg, self.groups["draft"], request.capacity, self.dtype)
             request.phase = Phase.PREFILL
             self.active.append(request)
 

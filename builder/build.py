@@ -242,7 +242,7 @@ def build(options: BuildOptions) -> EngineManifest:
                 inputs, outputs = graph_specs(cfg, draft=name == "draft", dtype=ACTIVATION_DTYPES[options.dtype],
                                               mtp=options.mtp)
                 graphs[name] = GraphEntry(f"{name}.onnx", tuple(inputs), tuple(outputs))
-                caches[name] = CacheLayout(cfg, name == "draft", options.mtp, VALUE_BYTES[options.dtype])
+                caches[name] = CacheLayout(cfg, name == "draft", VALUE_BYTES[options.dtype])
             experts = _experts(cfg.expert_dtype, options.backend)
             manifest = EngineManifest(
                 model=cfg, backend=options.backend, mtp=options.mtp, dtype=options.dtype, graphs=graphs,

@@ -1,12 +1,13 @@
 """Export our V4 to ONNX: the `target` graph (any number of new tokens on existing caches) and the `draft`
 graph (the MTP layer), with flat, named inputs and outputs that follow the engine contract (runtime/layout.py).
 
-Inputs of the target graph: `input_ids`, `positions` [batch, seq], then one `past.{layer}.{cache}` per group of
-the cache layout (windows and partial windows of fixed length, compressed rows of dynamic length). Outputs:
+Inputs of the target graph: `input_ids`, `positions` [batch, seq], the rows' cache `slots` and `block_table`, then
+one `pool.{layer}.{cache}` per group of the cache layout (rings of per-sequence slots, blocks of compressed rows),
+read through builder/model/paging.py into the dense views the layers take. Outputs:
 `logits`, `hidden` (pre-head streams), then one `new.{layer}.{cache}` per group: per-position deltas, or
 per-window rows for the compressed caches. The draft graph runs a whole draft cycle (builder/model/drafting.py):
 `hidden`, `input_ids` (the next tokens), `positions`, `lengths`, the rows' sampling settings and uniform numbers,
-and its own window in; `drafts`, `draft_probs` and the window's new rows out. Batch, sequence and row counts are
+and its own window's pool and slots in; `drafts`, `draft_probs` and the window's new rows out. Batch, sequence and row counts are
 dynamic; k is fixed per engine.
 
 Weights are not written here: the model is exported on the meta device and the builder attaches every
@@ -30,6 +31,7 @@ from v4engine.runtime.layout import CacheLayout, TensorSpec, graph_specs
 
 from .model import LayerCache, Transformer
 from .model.drafting import draft_cycle
+from .model.paging import PoolReader
 from .model.rope import inv_freq
 
 
@@ -39,17 +41,19 @@ class _Graph(nn.Module):
     def __init__(self, model: Transformer, draft: bool):
         super().__init__()
         self.model, self.draft = model, draft
-        self.groups = CacheLayout(model.cfg, draft).groups
+        layout = CacheLayout(model.cfg, draft)
+        self.groups, self.paged = layout.groups, layout.paged
 
     def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.draft:
-            hidden, input_ids, positions, lengths, temperature, top_k, top_p, uniforms, *past = args
+            hidden, input_ids, positions, lengths, temperature, top_k, top_p, uniforms, slots, *pools = args
         else:
-            input_ids, positions, *past = args
+            input_ids, positions, slots, *pools = args
+        reader = PoolReader(slots, positions[:, 0], pools.pop(0) if self.paged else None)
         caches: dict[int, LayerCache] = {}
-        for group, tensor in zip(self.groups, past):
+        for group, pool in zip(self.groups, pools):
             cache = caches.setdefault(group.layer, LayerCache(window_kv=None))
-            setattr(cache, group.name, tensor)
+            setattr(cache, group.name, reader.blocks(pool) if group.ratio else reader.ring(pool))
         layers = [caches[layer] for layer in sorted(caches)]
         if self.draft:
             cycle = draft_cycle(self.model, hidden, input_ids, positions, lengths, layers[0], temperature, top_k,
@@ -81,11 +85,13 @@ def export_graph(cfg: V4Config, draft: bool, dtype: torch.dtype = torch.float32,
     with torch.device("meta"):                               # no weight memory, whatever the model size
         model = Transformer(cfg, mtp=draft).stack_experts().to_dtype(dtype).eval()
     inputs, outputs = graph_specs(cfg, draft, dtype_name, mtp)
-    max_rows = max_seq_len // min(cfg.compress_rates.values()) + 1
+    max_blocks = -(-max_seq_len // CacheLayout(cfg, draft).block_tokens) + 1
     dims = {"batch": Dim("batch", min=1, max=max_batch), "seq": Dim("seq", min=1, max=max_seq_len),
-            "rows_csa": Dim("rows_csa", min=0, max=max_rows), "rows_hca": Dim("rows_hca", min=0, max=max_rows)}
+            "blocks": Dim("blocks", min=0, max=max_blocks), "pool_slots": Dim("pool_slots", min=1),
+            "pool_blocks": Dim("pool_blocks", min=1)}
     # Example sizes: none 0 or 1 (torch.export specializes those), and every ratio's emitted rows >= 2.
-    sizes = {"batch": 2, "seq": 2 * max(cfg.compress_rates.values()) + 3, "rows_csa": 3, "rows_hca": 2}
+    sizes = {"batch": 2, "seq": 2 * max(cfg.compress_rates.values()) + 3, "blocks": 3, "pool_slots": 5,
+             "pool_blocks": 7}
     examples = tuple(_example(s, sizes) for s in inputs)
     dynamic = tuple({i: dims[d] for i, d in enumerate(s.shape) if isinstance(d, str)} or None for s in inputs)
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)  # torchvision absent

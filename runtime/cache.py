@@ -1,69 +1,151 @@
-"""Grouped caches with exact rollback: one preallocated buffer per cache group per sequence.
+"""Paged cache pools with exact rollback: one preallocated pool per cache group, shared by every sequence.
 
-Groups and their sizes come from the cache layout (runtime/layout.py): the sliding window and the compressor's
-partial windows are rings of `rows_fixed` rows indexed by position (at least window + k slots, so a
-rolled-back draft tail never overwrites a row a later query still sees); compressed rows and index keys grow
-one row per `ratio` tokens up to the sequence's capacity. The engine never writes caches: it returns deltas,
-and `commit(n)` keeps the first n new positions. Rollback is committing fewer.
+The layout (runtime/layout.py) says what each group holds. A sequence owns one slot of every fixed group's pool
+(its window and partial-window rings) and a list of blocks of the growing groups' pools (compressed rows and
+index keys, `block_tokens` positions per block). The graphs read the pools in place through the call's `slots`
+and `block_table` (builder/model/paging.py); they never write them: they return deltas, and `commit(n)` writes
+the rows of the first n new positions, and nothing else. Rollback is committing fewer. Host work per step is
+therefore proportional to the new tokens, whatever the context.
+
+Blocks are reference-counted, so that a prompt prefix's full blocks can be shared by the sequences that start
+with it (runtime/prefix_cache.py); a shared block is never written, since only the rows of windows closed after
+a sequence's own fork point are, and those lie in blocks of its own.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from .config import V4Config
-from .layout import CacheGroup, closed_windows
+from .errors import V4EngineError
+from .layout import BLOCK_TABLE, SLOTS, CacheGroup, CacheLayout, closed_windows
 
 NUMPY_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 
 
-class SequenceCache:
-    """All cache groups of one part (target or draft) of one sequence, sized for `capacity` tokens."""
+class PoolExhausted(V4EngineError):
+    """A pool has no free slot or block left (the scheduler makes room or waits; callers never see it)."""
 
-    def __init__(self, cfg: V4Config, groups: list[CacheGroup], capacity: int, dtype: type):
-        self.cfg, self.groups, self.capacity = cfg, groups, capacity
-        self.length = 0
-        self.buffers = {(g.layer, g.name): np.zeros((g.rows_for(capacity), g.width), dtype=dtype) for g in groups}
+
+class CachePool:
+    """The pools of one part (the target, or the MTP layer) for `slots` sequences and `blocks` blocks.
+
+    Arrays are allocated zeroed and untouched, so a large budget costs memory only as blocks are used."""
+
+    def __init__(self, layout: CacheLayout, slots: int, blocks: int, dtype: type):
+        self.layout, self.groups = layout, layout.groups
+        self.arrays = {g.pool: np.zeros((blocks, g.block_rows, g.width) if g.ratio else (slots, g.rows_fixed, g.width),
+                                        dtype=dtype) for g in self.groups}
+        self._free_slots = list(range(slots - 1, -1, -1))
+        self._free_blocks = list(range(blocks - 1, -1, -1))
+        self.refs = np.zeros(blocks, np.int64)
+        self.bytes_written = 0          # rows committed into the pools, in bytes (what a step costs the host)
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.layout.slot_bytes
+
+    @property
+    def block_bytes(self) -> int:
+        return self.layout.block_bytes
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free_blocks)
+
+    # ------------------------------------------------------------------ slots and blocks
+    def take_slot(self) -> int:
+        if not self._free_slots:
+            raise PoolExhausted("no free cache slot")
+        return self._free_slots.pop()
+
+    def free_slot(self, slot: int) -> None:
+        self._free_slots.append(slot)
+
+    def take_blocks(self, n: int) -> list[int]:
+        if n > len(self._free_blocks):
+            raise PoolExhausted(f"{n} cache blocks asked, {len(self._free_blocks)} free")
+        taken = [self._free_blocks.pop() for _ in range(n)]
+        self.refs[taken] = 1
+        return taken
+
+    def share(self, blocks: list[int]) -> None:
+        self.refs[blocks] += 1
+
+    def release(self, blocks: list[int]) -> None:
+        """Drop one reference to each block; a block no one holds is free again."""
+        for b in blocks:
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                self._free_blocks.append(b)
+
+    # ------------------------------------------------------------------ a call's inputs
+    def feeds(self, sequences: list["SequenceCache"]) -> dict[str, np.ndarray]:
+        """`slots`, `block_table` and every pool (by reference: nothing is copied) for one call over `sequences`.
+        A shorter table is padded with its own last block (any block would do: the rows are masked)."""
+        feeds: dict[str, np.ndarray] = {SLOTS: np.array([s.slot for s in sequences], np.int64)}
+        if self.layout.paged:
+            width = max(len(s.blocks) for s in sequences)
+            table = np.zeros((len(sequences), width), np.int64)
+            for b, s in enumerate(sequences):
+                if s.blocks:
+                    table[b, : len(s.blocks)] = s.blocks
+                    table[b, len(s.blocks):] = s.blocks[-1]
+            feeds[BLOCK_TABLE] = table
+        return feeds | self.arrays
+
+
+class SequenceCache:
+    """One sequence's part of a CachePool: its slot, its blocks and how many positions it has committed."""
+
+    def __init__(self, pool: CachePool, length: int = 0):
+        """A sequence of `length` committed positions (more than 0 only for one whose rows its creator writes: a
+        prefix fork, or a draft that recomputes its window)."""
+        self.pool, self.length = pool, length
+        self.slot = pool.take_slot()
+        self.blocks: list[int] = []
 
     @property
     def nbytes(self) -> int:
-        return sum(b.nbytes for b in self.buffers.values())
+        return self.pool.slot_bytes + len(self.blocks) * self.pool.block_bytes
 
-    def past(self, group: CacheGroup) -> np.ndarray:
-        """What the engine reads for `group`: the last rows before `length` (zeros before position 0), or the
-        compressed rows closed so far."""
-        buf = self.buffers[(group.layer, group.name)]
-        if group.ratio:
-            return buf[: self.length // group.ratio]
-        n = group.view_rows
-        positions = np.arange(self.length - n, self.length)
-        rows = buf[positions % buf.shape[0]]
-        rows[positions < 0] = 0
-        return rows
+    def blocks_needed(self, length: int) -> int:
+        """Blocks more this sequence needs to hold `length` positions."""
+        return max(0, self.pool.layout.blocks_for(length) - len(self.blocks))
 
-    def commit(self, deltas: dict[tuple[int, str], np.ndarray], n: int) -> None:
-        """Append the first n new positions (deltas of this sequence's row, per group)."""
-        if self.length + n > self.capacity:
-            raise ValueError(f"cache overflow: {self.length} + {n} > capacity {self.capacity}")
+    def reserve(self, length: int) -> None:
+        """Hold the blocks for `length` positions (PoolExhausted, and nothing taken, if the pool has too few)."""
+        self.blocks += self.pool.take_blocks(self.blocks_needed(length))
+
+    def release(self) -> None:
+        self.pool.free_slot(self.slot)
+        self.pool.release(self.blocks)
+        self.blocks = []
+
+    def commit(self, deltas: dict[str, np.ndarray], n: int) -> None:
+        """Write the rows of the first n new positions (this sequence's row of each `new.*` delta, by group pool
+        name) into its slot and blocks, which `reserve` made room for."""
+        if self.pool.layout.blocks_for(self.length + n) > len(self.blocks):
+            raise ValueError(f"cache blocks for {self.length + n} positions were not reserved")
         for g in self.groups:
-            new = deltas[(g.layer, g.name)]
-            buf = self.buffers[(g.layer, g.name)]
+            new, pool = deltas[g.pool], self.pool.arrays[g.pool]
             if g.ratio:      # the rows of windows closed within the committed positions
-                first, closed = self.length // g.ratio, closed_windows(self.length, n, g.ratio)
-                buf[first:first + closed] = new[:closed]
+                first = self.length // g.ratio
+                rows = np.arange(first, first + closed_windows(self.length, n, g.ratio))
+                pool[np.array(self.blocks, np.int64)[rows // g.block_rows], rows % g.block_rows] = new[: len(rows)]
+                count = len(rows)
             else:      # only the last ring-size positions survive a long chunk: write just those, once each
-                keep = min(n, buf.shape[0])
-                buf[np.arange(self.length + n - keep, self.length + n) % buf.shape[0]] = new[n - keep:n]
+                count = min(n, g.rows_fixed)
+                pool[self.slot, np.arange(self.length + n - count, self.length + n) % g.rows_fixed] = new[n - count:n]
+            self.pool.bytes_written += count * g.width * pool.itemsize
         self.length += n
 
+    @property
+    def groups(self) -> list[CacheGroup]:
+        return self.pool.groups
 
-def batch_views(caches: list[SequenceCache], groups: list[CacheGroup]) -> dict[str, np.ndarray]:
-    """The `past.*` inputs of one engine call over these sequences (compressed rows padded)."""
-    feeds = {}
-    for g in groups:
-        parts = [c.past(g) for c in caches]
-        if g.ratio:
-            rows = max(p.shape[0] for p in parts)
-            parts = [np.concatenate([p, np.zeros((rows - p.shape[0], g.width), p.dtype)]) if p.shape[0] < rows else p
-                     for p in parts]
-        feeds[g.past] = np.stack(parts)
-    return feeds
+    def ring_rows(self) -> dict[str, np.ndarray]:
+        """A copy of this sequence's rings (its fixed groups' slot rows): a prefix snapshot (runtime/prefix_cache)."""
+        return {g.pool: self.pool.arrays[g.pool][self.slot].copy() for g in self.groups if not g.ratio}
+
+    def restore_rings(self, rows: dict[str, np.ndarray]) -> None:
+        for name, value in rows.items():
+            self.pool.arrays[name][self.slot] = value

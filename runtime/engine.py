@@ -24,8 +24,9 @@ from .layout import CacheGroup, CacheLayout, TensorSpec, graph_specs
 from .untrusted import JsonFields, parse_json, shown
 
 FORMAT = "v4engine"
-FORMAT_VERSION = 4          # 2: linked checkpoint files carry their header's SHA-256; 3: cache groups list view_rows;
-                            # 4: the draft graph runs a whole draft cycle (k drafts per call)
+FORMAT_VERSION = 5          # 2: linked checkpoint files carry their header's SHA-256; 3: cache groups list view_rows;
+                            # 4: the draft graph runs a whole draft cycle (k drafts per call); 5: the graphs read the
+                            # runtime's cache pools through slots and a block table (rings without spare rows)
 # Serving limits a build records in engine.json (build.*), and what they are when an engine does not say.
 BUILT_LIMIT_DEFAULTS = {"max_batch": 8, "max_seq_len": 4096, "max_prefill_chunk": 512}
 MAX_BATCH = 4096            # the largest --max-batch a build accepts and engine.json may record
@@ -133,7 +134,7 @@ class EngineManifest:
             if graphs[part] != {"file": entries[part].file, **_spec_dicts(entries[part])}:
                 raise EngineFormatError(f"{path}: field 'graphs.{part}' does not describe the {part} graph of this "
                                         "model config (inputs and outputs differ); refused")
-        layouts = {part: CacheLayout(model, part == "draft", mtp, VALUE_BYTES[dtype]) for part in parts}
+        layouts = {part: CacheLayout(model, part == "draft", VALUE_BYTES[dtype]) for part in parts}
         if caches.get("groups") != {part: layout.to_json() for part, layout in layouts.items()}:
             raise EngineFormatError(f"{path}: field 'caches.groups' is not what the model config implies for mtp "
                                     f"{mtp} and dtype {dtype}; refused")

@@ -84,7 +84,8 @@ class Generator:
                         max_batch: int | None = None, max_seq_len: int | None = None,
                         max_cache_bytes: int | None = None,
                         max_prefill_chunk: int | None = None, threads: int | None = None,
-                        providers: list[str] | None = None, share_threads: bool = False) -> "Generator":
+                        providers: list[str] | None = None, share_threads: bool = False,
+                        prefix_cache: bool = True) -> "Generator":
         """Open an engine directory. mtp (<= the engine's k, 0 disables drafting) defaults to the engine's.
 
         providers: ONNX Runtime execution providers, e.g. ["CUDAExecutionProvider", "CPUExecutionProvider"] with
@@ -92,7 +93,9 @@ class Generator:
         engine call) default to the engine's; TensorRT and MIGraphX engines were built for shapes up to those, so
         larger values are refused here rather than in the middle of a generation. share_threads: an ONNX Runtime
         engine's target and draft run on one process-wide pool (sessions/onnxruntime.share_thread_pool), which
-        changes every later ONNX Runtime session of the process: for a program's own process only."""
+        changes every later ONNX Runtime session of the process: for a program's own process only. prefix_cache:
+        a prompt that starts like an earlier one reuses that prefix's caches (runtime/prefix_cache.py); the tokens
+        are those of a cold run either way."""
         path = Path(path)
         manifest = EngineManifest.read(path)
         if backend is not None and backend != manifest.backend:
@@ -118,7 +121,8 @@ class Generator:
             options["alternating"] = True                  # target and draft calls take turns on the same cores
         target = open_session(path, manifest, "target", **options)
         draft = open_session(path, manifest, "draft", **options) if mtp else None
-        scheduler = Scheduler(manifest, target, draft, mtp, max_cache_bytes=max_cache_bytes, **asked)
+        scheduler = Scheduler(manifest, target, draft, mtp, max_cache_bytes=max_cache_bytes,
+                              prefix_cache=prefix_cache, **asked)
         return cls(path, manifest, scheduler, load_tokenizer(path))
 
     # ------------------------------------------------------------------ prompts and requests

@@ -1,22 +1,30 @@
 """The cache layout: every cache a sequence keeps, how the graphs name it, how many rows it holds and reads, and
 how many rows a forward emits; and, following from it, the graphs' inputs and outputs (the engine contract).
 
-One object derived from V4Config, `CacheLayout(cfg, draft, mtp, value_bytes)`, answers all of it. The exporter
+One object derived from V4Config, `CacheLayout(cfg, draft, value_bytes)`, answers all of it. The exporter
 names the graphs' tensors with it, engine.json lists its groups, the runtime's cache manager sizes and reads its
 buffers with it, the eager model's state keeps its histories with it, and the compressor ops (reference, Triton
 kernel, TensorRT shape) emit `emitted_rows` rows.
 
 The groups of one layer (docs/model.md §3):
-- window_kv, every layer: the sliding window, a ring of W - 1 + k + 1 rows. A forward reads the last W - 1
-  committed rows; a verify writes k + 1 more before the commit keeps the accepted ones.
-- compressor_kv and compressor_gate, CSA and HCA layers: per-token values and gates of the windows still open.
-  A forward reads `state_tokens` rows (CSA's windows overlap: 2m - 1; HCA's: m - 1); the ring holds k + 1 more.
+- window_kv, every layer: the sliding window, a ring of the W - 1 committed rows a forward reads. A verify's
+  k + 1 new rows come out as deltas; the commit writes only the accepted ones, so the ring needs no spare rows.
+- compressor_kv and compressor_gate, CSA and HCA layers: per-token values and gates of the windows still open,
+  a ring of the `state_tokens` rows a forward reads (CSA's windows overlap: 2m - 1; HCA's: m - 1).
 - compressed_kv, CSA and HCA layers: one row per closed window of `ratio` tokens, growing with the sequence.
 - indexer_kv, indexer_gate and index_keys, CSA layers: the same three for the indexer's own compressor.
 The MTP layer keeps only its window. Rollback is committing fewer positions; nothing is ever copied back.
+
+Where the rows live (the engine contract, format 5): the runtime keeps one preallocated pool per group and the
+graphs read the pools themselves. A group of fixed rows is a pool of per-sequence slots, [slots, rows_fixed,
+width], addressed by the call's `slots` [batch]; a growing group is a pool of blocks, [blocks, block_rows, width],
+addressed by the call's `block_table` [batch, blocks per row]. One block covers `block_tokens` positions of every
+growing group at once (block_tokens is a multiple of every ratio: block_rows = block_tokens / ratio), so one table
+serves all of them, and a block of a shared prompt prefix is shared whole.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -26,6 +34,8 @@ WINDOW, COMPRESSOR, COMPRESSED = "window_kv", ("compressor_kv", "compressor_gate
 INDEXER, INDEX_KEYS = ("indexer_kv", "indexer_gate"), "index_keys"
 ROW_GROUPS = (COMPRESSED, INDEX_KEYS)           # one row per closed window; the others one row per position
 MTP_KIND = "mtp"                                # the draft layer's kind in engine.json (its attention is sliding)
+MIN_BLOCK_TOKENS = 16                           # a block's positions when the compression ratios allow fewer
+SLOTS, BLOCK_TABLE = "slots", "block_table"     # the graph inputs that address the pools
 
 
 @dataclass(frozen=True)
@@ -41,8 +51,9 @@ class TensorSpec:
 class CacheGroup:
     """One cache of one layer, per sequence: `width` values of `value_bytes` each per row.
 
-    `rows_fixed` rows are allocated up front (windows, compressor partial windows), of which a forward reads the
-    last `view_rows`; a group with a `ratio` instead grows one row per `ratio` tokens and is read whole."""
+    A group of `rows_fixed` rows (windows, compressor partial windows) is a ring per sequence slot holding the
+    rows of the last rows_fixed positions, all of which a forward reads; a group with a `ratio` instead grows one
+    row per `ratio` tokens, `block_rows` rows per block of the pool, and is read whole."""
 
     layer: int
     name: str
@@ -51,12 +62,12 @@ class CacheGroup:
     value_bytes: int
     rows_fixed: int = 0
     ratio: int = 0
-    view_rows: int = 0
+    block_rows: int = 0
 
     @property
-    def past(self) -> str:
-        """The graph input holding the rows committed so far (a view of the runtime's cache)."""
-        return f"past.{self.layer}.{self.name}"
+    def pool(self) -> str:
+        """The graph input holding this group's pool (every sequence's rows committed so far)."""
+        return f"pool.{self.layer}.{self.name}"
 
     @property
     def new(self) -> str:
@@ -100,17 +111,24 @@ def emitted_rows(tokens: Any, ratio: int, state_tokens: int) -> Any:
     return (tokens + (ratio - 1 - state_tokens)) // ratio
 
 
+def block_tokens(cfg: V4Config) -> int:
+    """Positions per block of the growing groups: the smallest multiple of every compression ratio that is at
+    least MIN_BLOCK_TOKENS (V4: 128, HCA's ratio)."""
+    lcm = math.lcm(*cfg.compress_rates.values())
+    return lcm * -(-MIN_BLOCK_TOKENS // lcm)
+
+
 def closed_windows(start: int, n: int, ratio: int) -> int:
     """Rows of the windows that close when n positions are committed after `start` (what a commit keeps)."""
     return (start + n) // ratio - start // ratio
 
 
 class CacheLayout:
-    """Every cache group of the target (draft=False) or of the MTP layer, for k = mtp draft tokens per step."""
+    """Every cache group of the target (draft=False) or of the MTP layer."""
 
-    def __init__(self, cfg: V4Config, draft: bool, mtp: int = 0, value_bytes: int = 4):
+    def __init__(self, cfg: V4Config, draft: bool, value_bytes: int = 4):
         self.cfg, self.draft = cfg, draft
-        spare = mtp + 1
+        self.block_tokens = block_tokens(cfg)
         layers = [(cfg.num_hidden_layers, MTP_KIND)] if draft else list(enumerate(cfg.layer_types))
         self.groups: list[CacheGroup] = []
         for layer, kind in layers:
@@ -118,17 +136,17 @@ class CacheLayout:
                 return CacheGroup(layer, name, kind, width, value_bytes, **rows)
 
             window = cfg.sliding_window - 1
-            self.groups.append(group(WINDOW, cfg.head_dim, rows_fixed=window + spare, view_rows=window))
+            self.groups.append(group(WINDOW, cfg.head_dim, rows_fixed=window))
             if kind not in (CSA, HCA):
                 continue
             m, partial = cfg.compress_rates[kind], state_tokens(cfg, kind)
             width = 2 * cfg.head_dim if kind == CSA else cfg.head_dim
-            self.groups += [group(name, width, rows_fixed=partial + spare, view_rows=partial) for name in COMPRESSOR]
-            self.groups.append(group(COMPRESSED, cfg.head_dim, ratio=m))
+            self.groups += [group(name, width, rows_fixed=partial) for name in COMPRESSOR]
+            self.groups.append(group(COMPRESSED, cfg.head_dim, ratio=m, block_rows=self.block_tokens // m))
             if kind == CSA:
-                self.groups += [group(name, 2 * cfg.index_head_dim, rows_fixed=partial + spare, view_rows=partial)
+                self.groups += [group(name, 2 * cfg.index_head_dim, rows_fixed=partial)
                                 for name in INDEXER]
-                self.groups.append(group(INDEX_KEYS, cfg.index_head_dim, ratio=m))
+                self.groups.append(group(INDEX_KEYS, cfg.index_head_dim, ratio=m, block_rows=self.block_tokens // m))
 
     def of_layer(self, layer: int) -> list[CacheGroup]:
         return [g for g in self.groups if g.layer == layer]
@@ -140,10 +158,32 @@ class CacheLayout:
         """Bytes of every group for one sequence of `seq_len` tokens."""
         return sum(g.bytes_for(seq_len) for g in self.groups)
 
+    @property
+    def paged(self) -> bool:
+        """Whether any group grows (and the graphs take a block table)."""
+        return any(g.ratio for g in self.groups)
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one sequence's rings (a slot of every fixed group)."""
+        return sum(g.fixed_bytes for g in self.groups)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of every growing group."""
+        return sum(g.block_rows * g.width * g.value_bytes for g in self.groups if g.ratio)
+
+    def blocks_for(self, seq_len: int) -> int:
+        """Blocks a sequence of `seq_len` committed tokens holds rows in (a block is taken by its first row)."""
+        return max((-(-(seq_len // g.ratio) // g.block_rows) for g in self.groups if g.ratio), default=0)
+
     def inputs(self, dtype: str) -> list[TensorSpec]:
-        """`past.*`: windows and partial windows of fixed length, compressed rows of dynamic length."""
-        return [TensorSpec(g.past, dtype, ("batch", _dynamic_rows(g, "rows") if g.ratio else g.view_rows, g.width))
-                for g in self.groups]
+        """`slots`, `block_table` (when a group grows), then `pool.*`: slot pools of rings, block pools of rows."""
+        address = [TensorSpec(SLOTS, "int64", ("batch",))]
+        if self.paged:
+            address.append(TensorSpec(BLOCK_TABLE, "int64", ("batch", "blocks")))
+        return address + [TensorSpec(g.pool, dtype, ("pool_blocks", g.block_rows, g.width) if g.ratio
+                                     else ("pool_slots", g.rows_fixed, g.width)) for g in self.groups]
 
     def outputs(self, dtype: str) -> list[TensorSpec]:
         """`new.*`: per-position deltas, or the rows of the windows a forward closed."""

@@ -22,6 +22,8 @@ class RequestMetrics:
     time_to_first_token: float | None = None
     seconds: float = 0.0
     engine_seconds: float = 0.0
+    prefix_hit_tokens: int = 0         # prompt positions taken from the prefix cache instead of computed
+    preemptions: int = 0               # times its caches were freed for older requests (then recomputed)
 
     def __post_init__(self) -> None:
         self.accepted_at = self.accepted_at or [0] * self.mtp
@@ -43,6 +45,8 @@ class RequestMetrics:
         self.generated += other.generated
         self.seconds += other.seconds
         self.engine_seconds += other.engine_seconds
+        self.prefix_hit_tokens += other.prefix_hit_tokens
+        self.preemptions += other.preemptions
 
     @property
     def acceptance_rate(self) -> float:
@@ -67,7 +71,8 @@ class RequestMetrics:
                 "per_position_acceptance": self.per_position_acceptance, "verify_steps": self.verify_steps,
                 "generated_tokens": self.generated, "time_to_first_token": self.time_to_first_token,
                 "tokens_per_second": self.tokens_per_second, "engine_seconds": self.engine_seconds,
-                "host_seconds": max(0.0, self.seconds - self.engine_seconds)}
+                "host_seconds": max(0.0, self.seconds - self.engine_seconds),
+                "prefix_hit_tokens": self.prefix_hit_tokens, "preemptions": self.preemptions}
 
     def table(self) -> str:
         """A small acceptance table for people."""

@@ -3,8 +3,11 @@
 Every request carries its phase; one engine call may hold rows in different phases (a prefill chunk beside
 verify rows), each handled by its own phase and length, never by the shape of the batch.
 
-One scheduler step:
-1. admit waiting requests whose caches fit the budget (engine.json's bytes, exactly);
+Caches live in paged pools (runtime/cache.py) sized once from a memory budget. One scheduler step:
+1. admit waiting requests while the pools have the blocks their prompts need (a prompt that starts like an
+   earlier one forks from its prefix, runtime/prefix_cache.py); then hold the blocks every running request needs
+   for this step: when the pool runs out, unused prefix entries go first, then the most recently admitted
+   requests are preempted (their caches freed; they wait at the front of the queue and recompute later, exactly);
 2. DRAFT for decoding requests, one engine call (builder/model/drafting.py): the MTP layer over the positions
    the target committed since the last draft (the whole prompt on the first cycle), fed (H_i, t_{i+1}); its last
    row gives d1, then k-1 single-row steps on its own streams give d2..dk, drawn inside the graph from the
@@ -26,11 +29,12 @@ from enum import Enum
 
 import numpy as np
 
-from .cache import NUMPY_DTYPES, SequenceCache, batch_views
+from .cache import NUMPY_DTYPES, CachePool, SequenceCache
 from .detokenize import IncrementalDetokenizer
 from .engine import EngineManifest
 from .errors import V4EngineError
 from .metrics import RequestMetrics
+from .prefix_cache import PrefixCache, PrefixEntry
 from .sampling import RequestError, SamplingParams, accept_greedy, accept_sampled, distribution, draw, is_integer
 from .sessions import EngineSession
 
@@ -57,7 +61,6 @@ class Request:
     prompt: list[int]
     params: SamplingParams
     capacity: int
-    cache_bytes: int
     metrics: RequestMetrics
     num_draft_tokens: int              # draft tokens per step for this request (<= the scheduler's mtp)
     rng: np.random.Generator
@@ -67,6 +70,7 @@ class Request:
     target: SequenceCache | None = None
     draft: SequenceCache | None = None
     pending_hidden: list[np.ndarray] = field(default_factory=list)   # streams of positions [draft.length, target.length)
+    hidden_tail: np.ndarray | None = None   # prefill streams of the last W - 1 positions (prefix cache snapshots)
     drafts: list[int] = field(default_factory=list)
     draft_probs: list[np.ndarray] = field(default_factory=list)
     finish_reason: str | None = None   # "stop", "length", "cancelled", or "error" (a failed step: see `error`)
@@ -77,6 +81,12 @@ class Request:
     @property
     def generated(self) -> list[int]:
         return self.tokens[len(self.prompt):]
+
+    @property
+    def context(self) -> list[int]:
+        """The tokens its target cache holds before decoding: the prompt, or, for a request preempted after it
+        generated, everything but the last token (the input of its next verify)."""
+        return self.tokens[:-1] if self.generated else self.tokens
 
 
 @dataclass
@@ -89,7 +99,8 @@ class StepResult:
 
 class Scheduler:
     def __init__(self, manifest: EngineManifest, target: EngineSession, draft: EngineSession | None, mtp: int,
-                 max_batch: int, max_seq_len: int, max_cache_bytes: int | None = None, max_prefill_chunk: int = 512):
+                 max_batch: int, max_seq_len: int, max_cache_bytes: int | None = None, max_prefill_chunk: int = 512,
+                 prefix_cache: bool = True):
         if mtp > manifest.mtp:
             raise V4EngineError(f"mtp {mtp} is more than the engine was built for ({manifest.mtp})")
         if mtp > 0 and draft is None:
@@ -103,9 +114,16 @@ class Scheduler:
             raise V4EngineError(f"engine dtype {manifest.dtype} cannot run in the numpy runtime on this machine")
         self.groups = {part: manifest.cache_groups(part) for part in manifest.caches}
         # By default: the caches of max_batch sequences of max_seq_len tokens, but never more than half of this
-        # machine's memory (an engine.json cannot make the runtime promise memory it does not have)
+        # machine's memory (an engine.json cannot make the runtime promise memory it does not have). The budget
+        # pays for a slot of every part per batch row first, then for as many blocks as it holds.
         self.budget = max_cache_bytes if max_cache_bytes is not None else min(
             max_batch * self.cache_bytes(max_seq_len), host_memory() // 2)
+        block_bytes = manifest.caches["target"].block_bytes
+        blocks = max(0, self.budget - max_batch * self.cache_bytes(0)) // block_bytes if block_bytes else 0
+        self.pools = {part: CachePool(layout, max_batch, blocks if part == "target" else 0, self.dtype)
+                      for part, layout in manifest.caches.items()}
+        # Snapshots (rings and streams) are host memory beside the pools: at most an eighth of the budget
+        self.prefix = PrefixCache(self.pools["target"], self.budget // 8) if prefix_cache else None
         self.waiting: list[Request] = []
         self.active: list[Request] = []
         self._ids = itertools.count()
@@ -115,10 +133,15 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests
     def cache_bytes(self, capacity: int, num_draft_tokens: int | None = None) -> int:
-        """Bytes of every cache group one sequence of `capacity` tokens needs (engine.json's figures); the draft
-        layer's only for a sequence that drafts (`num_draft_tokens` per step, default the scheduler's mtp)."""
+        """Bytes of every cache group one sequence of `capacity` tokens needs (engine.json's figures, rows
+        exactly); the draft layer's only for a sequence that drafts (`num_draft_tokens` per step, default the
+        scheduler's mtp)."""
         parts = ["target"] + (["draft"] if (self.mtp if num_draft_tokens is None else num_draft_tokens) else [])
         return sum(g.bytes_for(capacity) for part in parts for g in self.groups[part])
+
+    def blocks_for(self, tokens: int) -> int:
+        """Target blocks a sequence of `tokens` positions holds."""
+        return self.manifest.caches["target"].blocks_for(tokens)
 
     def num_draft_tokens(self, params: SamplingParams) -> int:
         """Draft tokens per step for a request: its num_draft_tokens, else the scheduler's mtp."""
@@ -126,7 +149,11 @@ class Scheduler:
 
     @property
     def used_bytes(self) -> int:
-        return sum(r.cache_bytes for r in self.active)
+        """Cache bytes the running requests hold: their slots, and every block one of them reads (once)."""
+        pool = self.pools["target"]
+        caches = [c for r in self.active for c in (r.target, r.draft) if c is not None]
+        blocks = {b for c in caches for b in c.blocks}
+        return sum(c.pool.slot_bytes for c in caches) + len(blocks) * pool.block_bytes
 
     def validate(self, prompt: list[int], params: SamplingParams) -> int:
         """Raise RequestError (a one-line reason) if the request cannot be served; else its cache capacity."""
@@ -148,20 +175,20 @@ class Scheduler:
                                f"{self.max_seq_len - 1} prompt tokens (max_seq_len {self.max_seq_len})")
         capacity = min(self.max_seq_len, len(prompt) + params.max_new_tokens + self.mtp + 1)
         need = self.cache_bytes(capacity, self.num_draft_tokens(params))
-        if need > self.budget:
-            raise CapacityError(f"the request needs {need} bytes of cache for {capacity} tokens, more than the "
-                                f"budget of {self.budget} bytes")
+        blocks, pool_blocks = self.blocks_for(capacity), len(self.pools["target"].refs)
+        if need > self.budget or blocks > pool_blocks:
+            raise CapacityError(f"the request needs {need} bytes of cache ({blocks} blocks) for {capacity} tokens, "
+                                f"more than the budget of {self.budget} bytes ({pool_blocks} blocks)")
         return capacity
 
     def submit(self, prompt: list[int], params: SamplingParams) -> Request:
         """Validate and queue a request; a bad one raises RequestError and changes nothing."""
         capacity = self.validate(prompt, params)
         num_draft_tokens = self.num_draft_tokens(params)
-        need = self.cache_bytes(capacity, num_draft_tokens)
         eos = self.cfg.eos_token_id
         eos = [] if params.ignore_eos or eos is None else eos if isinstance(eos, list) else [eos]
         request = Request(id=next(self._ids), prompt=[int(t) for t in prompt], params=params, capacity=capacity,
-                          cache_bytes=need, metrics=RequestMetrics(mtp=num_draft_tokens),
+                          metrics=RequestMetrics(mtp=num_draft_tokens),
                           num_draft_tokens=num_draft_tokens, rng=np.random.default_rng(params.seed),
                           stop_ids=frozenset(int(t) for t in (*params.stop_token_ids, *eos)),
                           tokens=[int(t) for t in prompt])
@@ -200,6 +227,7 @@ class Scheduler:
     def _step(self) -> StepResult:
         started = time.perf_counter()
         self._admit()
+        self._hold_blocks()
         new_tokens: dict[int, list[int]] = {}
         finished: list[Request] = []
         engine = 0.0
@@ -219,17 +247,87 @@ class Scheduler:
             r.metrics.engine_seconds += engine / len(rows)
         return StepResult(new_tokens, finished)
 
+    # ------------------------------------------------------------------ caches
     def _admit(self) -> None:
+        """Admit waiting requests in order while a batch row is free and the pool has (or can free from unused
+        prefix entries) the blocks of the request's whole context: blocks actually needed, not max_seq_len's."""
         while self.waiting and len(self.active) < self.max_batch:
             request = self.waiting[0]
-            if self.used_bytes + request.cache_bytes > self.budget:
+            context = request.context
+            entry = self.prefix.lookup(context, len(context) - 1) if self.prefix is not None else None
+            shared = entry.length // self.prefix.block_tokens if entry is not None else 0   # full blocks only
+            if not self._free_blocks(self.blocks_for(len(context) + 1) - shared, keep=entry):
                 break
             self.waiting.pop(0)
-            request.target = SequenceCache(self.cfg, self.groups["target"], request.capacity, self.dtype)
-            if request.num_draft_tokens:            # a request that does not draft needs no draft cache
-                request.draft = SequenceCache(self.cfg, self.groups["draft"], request.capacity, self.dtype)
-            request.phase = Phase.PREFILL
+            self._start(request, entry)
             self.active.append(request)
+
+    def _start(self, r: Request, entry: PrefixEntry | None) -> None:
+        """Give r its caches: empty, or forked from a prefix entry (its blocks shared, its rings copied, the draft
+        to recompute its window from the entry's streams)."""
+        if entry is None:
+            r.target = SequenceCache(self.pools["target"])
+        else:
+            r.target = self.prefix.fork(entry)
+            r.metrics.prefix_hit_tokens = max(r.metrics.prefix_hit_tokens, entry.length)
+        r.hidden_tail = entry.hidden if entry is not None else None
+        if r.num_draft_tokens:            # a request that does not draft needs no draft cache
+            recompute = len(entry.hidden) if entry is not None else 0
+            r.draft = SequenceCache(self.pools["draft"], length=r.target.length - recompute)
+            r.pending_hidden = [entry.hidden] if entry is not None else []
+        r.phase = Phase.PREFILL
+
+    def _free_blocks(self, need: int, keep: PrefixEntry | None = None) -> bool:
+        """Whether the target pool has `need` free blocks, evicting prefix entries (other than `keep`) for them."""
+        pool = self.pools["target"]
+        while pool.free_blocks < need:
+            if self.prefix is None or not self.prefix.evict_one(keep):
+                return False
+        return True
+
+    def _hold_blocks(self) -> None:
+        """Reserve the blocks each running request may commit this step (its prefill chunk, or k + 1 verified
+        positions), oldest first. When the pool runs out even without prefix entries, the most recently admitted
+        request is preempted, the asking one included: the oldest always progresses."""
+        for r in list(self.active):
+            if r.phase == Phase.WAITING:                       # preempted for an older one in this loop
+                continue
+            grow = len(self._prefill_chunk(r)) if r.phase == Phase.PREFILL else r.num_draft_tokens + 1
+            end = min(r.capacity, r.target.length + grow)
+            while not self._free_blocks(r.target.blocks_needed(end)):
+                victim = self.active[-1]
+                self._preempt(victim)
+                if victim is r:
+                    break
+            else:
+                r.target.reserve(end)
+
+    def _preempt(self, r: Request) -> None:
+        """Free a running request's caches and queue it first: admitted again, it recomputes its context and goes
+        on with exactly the tokens it would have had (its random generator is untouched by the step it left)."""
+        self.active.remove(r)
+        self._release(r)
+        r.phase = Phase.WAITING
+        r.metrics.preemptions += 1
+        self.waiting.insert(0, r)
+
+    def _release(self, r: Request) -> None:
+        for cache in (r.target, r.draft):
+            if cache is not None:
+                cache.release()
+        r.target = r.draft = r.hidden_tail = None
+        r.pending_hidden, r.drafts, r.draft_probs = [], [], []
+
+    def _prefill_chunk(self, r: Request) -> list[int]:
+        """r's next prefill tokens: up to max_prefill_chunk; with the prefix cache on (every chunk end is a snapshot
+        point), the last chunk stops first at the context's last block boundary, for later prompts that share
+        most of this one."""
+        context, start = r.context, r.target.length
+        end = min(len(context), start + self.max_prefill_chunk)
+        if self.prefix is not None and end == len(context):
+            aligned = end - end % self.prefix.block_tokens
+            end = aligned if aligned > start else end
+        return context[start:end]
 
     def _run(self, session: EngineSession, feeds: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], float]:
         started = time.perf_counter()
@@ -263,11 +361,11 @@ class Scheduler:
                  # in float32 a top_p as small as 1e-300 must not become 0 (which would keep no token)
                  "top_p": np.maximum(np.array([p.top_p for p in params], np.float32), np.finfo(np.float32).tiny),
                  "uniforms": uniforms,           # float32 may round u up to 1: the graph's draw takes u = 1 too
-                 **batch_views([r.draft for r in requests], self.groups["draft"])}
+                 **self.pools["draft"].feeds([r.draft for r in requests])}
         return self._run(self.draft_session, feeds)
 
-    def _deltas(self, out: dict[str, np.ndarray], part: str, b: int) -> dict[tuple[int, str], np.ndarray]:
-        return {(g.layer, g.name): out[g.new][b] for g in self.groups[part]}
+    def _deltas(self, out: dict[str, np.ndarray], part: str, b: int) -> dict[str, np.ndarray]:
+        return {g.pool: out[g.new][b] for g in self.groups[part]}
 
     def _draft(self, requests: list[Request]) -> float:
         """One draft cycle per request: DRAFT-EXTEND over the newly committed positions and the recursive steps,
@@ -299,7 +397,7 @@ class Scheduler:
         inputs = []
         for r in rows:
             if r.phase == Phase.PREFILL:
-                inputs.append(r.prompt[r.target.length: r.target.length + self.max_prefill_chunk])
+                inputs.append(self._prefill_chunk(r))
             else:
                 room = r.capacity - r.target.length - 1          # a verify never commits past the cache's capacity
                 r.drafts, r.draft_probs = r.drafts[:room], r.draft_probs[:room]
@@ -309,8 +407,7 @@ class Scheduler:
         for b, x in enumerate(inputs):
             ids[b, : len(x)] = x
         positions = np.array([r.target.length for r in rows])[:, None] + np.arange(S)
-        feeds = {"input_ids": ids, "positions": positions, **batch_views([r.target for r in rows],
-                                                                            self.groups["target"])}
+        feeds = {"input_ids": ids, "positions": positions, **self.pools["target"].feeds([r.target for r in rows])}
         out, engine = self._run(self.target_session, feeds)
         for b, (r, x) in enumerate(zip(rows, inputs)):
             deltas = self._deltas(out, "target", b)
@@ -319,11 +416,17 @@ class Scheduler:
                 r.target.commit(deltas, len(x))
                 if r.num_draft_tokens:                          # the draft layer reads these streams
                     r.pending_hidden.append(hidden)
-                if r.target.length == len(r.prompt):
+                if self.prefix is not None:
+                    if self.mtp:                                # a snapshot's streams for a drafting fork
+                        window = self.cfg.sliding_window - 1
+                        r.hidden_tail = hidden[-window:] if r.hidden_tail is None else \
+                            np.concatenate([r.hidden_tail, hidden])[-window:]
+                    self.prefix.insert(r.context, r.target, r.hidden_tail if self.mtp else hidden[:0])
+                if r.target.length == len(r.context):
                     r.phase = Phase.DECODE
-                    r.metrics.time_to_first_token = time.perf_counter() - r.arrival
-                    token = self._sample(r, logits[-1])
-                    self._emit(r, [token], new_tokens)
+                    if not r.generated:                         # not a preempted request's recomputation
+                        r.metrics.time_to_first_token = time.perf_counter() - r.arrival
+                        self._emit(r, [self._sample(r, logits[-1])], new_tokens)
                 continue
             drafts = r.drafts
             if r.params.greedy:
@@ -366,5 +469,4 @@ class Scheduler:
 
     def _finish(self, r: Request, reason: str) -> None:
         r.phase, r.finish_reason = Phase.FINISHED, reason
-        r.target = r.draft = None          # release the caches
-        r.pending_hidden, r.drafts, r.draft_probs = [], [], []
+        self._release(r)

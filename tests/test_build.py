@@ -97,10 +97,7 @@ def test_quantized_checkpoint_engine_equals_the_model(tiny_checkpoint, tmp_path,
     with torch.no_grad():
         want = model(ids, state.positions(40), state.views()).logits.numpy()
     session = open_session(tmp_path / "e", EngineManifest.read(tmp_path / "e"), "target")
-    feeds = {"input_ids": ids.numpy(), "positions": state.positions(40).numpy()}
-    for g in manifest.cache_groups("target"):
-        view = state.views()[g.layer]
-        feeds[f"past.{g.layer}.{g.name}"] = getattr(view, g.name).numpy()
+    feeds = {"input_ids": ids.numpy(), "positions": state.positions(40).numpy(), **state.pool_feeds()}
     assert np.abs(session.run(feeds)["logits"] - want).max() <= 1e-4
 
 
@@ -177,7 +174,8 @@ def test_bf16_engine_keeps_bf16_weights_in_place_without_casts(bf16_engine, tmp_
     assert manifest.caches["target"].groups[0].value_bytes == 2
     graph = onnx.load(tmp_path / "e" / "target.onnx", load_external_data=False)
     assert graph.graph.input[0].name == "input_ids"
-    assert {i.type.tensor_type.elem_type for i in graph.graph.input[2:]} == {onnx.TensorProto.BFLOAT16}
+    assert {i.type.tensor_type.elem_type for i in graph.graph.input if i.name.startswith("pool.")} == {
+        onnx.TensorProto.BFLOAT16}
     if manifest.compiled.not_loaded is not None:
         assert "bfloat16" in manifest.compiled.not_loaded
 
@@ -190,8 +188,6 @@ def test_fp16_engine_matches_the_fp32_model_within_fp16_rounding(bf16_engine, tm
     ids = torch.randint(0, model.cfg.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = model(ids, state.positions(40), state.views()).logits.numpy()
-    feeds = {"input_ids": ids.numpy(), "positions": state.positions(40).numpy()}
-    for g in manifest.cache_groups("target"):
-        feeds[f"past.{g.layer}.{g.name}"] = getattr(state.views()[g.layer], g.name).numpy().astype(np.float16)
+    feeds = {"input_ids": ids.numpy(), "positions": state.positions(40).numpy(), **state.pool_feeds(np.float16)}
     got = open_session(tmp_path / "e", manifest, "target").run(feeds)["logits"]
     assert np.abs(got - want).max() <= 2e-2 * max(1.0, np.abs(want).max())

@@ -4,6 +4,7 @@ rows), batches of 1 and 3 rows of different lengths."""
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 import torch
 
@@ -27,13 +28,9 @@ def engine(request, tiny_engine):
     return model, manifest, sessions
 
 
-def feeds(manifest: EngineManifest, part: str, state: ModelState, **tokens: torch.Tensor) -> dict[str, np.ndarray]:
-    views = state.views()
-    layers = dict(zip(sorted({g.layer for g in manifest.cache_groups(part)}), views))
-    out = {k: v.numpy() for k, v in tokens.items()}
-    for g in manifest.cache_groups(part):
-        out[f"past.{g.layer}.{g.name}"] = getattr(layers[g.layer], g.name).numpy()
-    return out
+def feeds(state: ModelState, **tokens: torch.Tensor) -> dict[str, np.ndarray]:
+    """An engine call's inputs: the tokens, and the state's caches as the runtime's pools."""
+    return {k: v.numpy() for k, v in tokens.items()} | state.pool_feeds()
 
 
 def expected(manifest: EngineManifest, part: str, result) -> dict[str, np.ndarray]:
@@ -57,7 +54,7 @@ def test_manifest_describes_the_graphs(engine):
     _, manifest, sessions = engine
     assert manifest.mtp == MTP and set(manifest.graphs) == {"target", "draft"}
     assert [s.name for s in manifest.graphs["target"].inputs][:2] == ["input_ids", "positions"]
-    assert manifest.caches["draft"].groups[0].rows_fixed == manifest.model.sliding_window - 1 + MTP + 1
+    assert manifest.caches["draft"].groups[0].rows_fixed == manifest.model.sliding_window - 1
 
 
 def test_prefill_then_verify_steps_in_batches_of_one_and_three(engine):
@@ -77,7 +74,7 @@ def test_prefill_then_verify_steps_in_batches_of_one_and_three(engine):
             positions = state.positions(S)
             with torch.no_grad():
                 result = model(ids, positions, state.views())
-            got = sessions["target"].run(feeds(manifest, "target", state, input_ids=ids, positions=positions))
+            got = sessions["target"].run(feeds(state, input_ids=ids, positions=positions))
             assert_same(got, expected(manifest, "target", result), f"target step {step} lengths {sizes}")
             state.commit(result.deltas, [max(1, s - step % 3) for s in sizes])   # some tails rejected
 
@@ -103,9 +100,26 @@ def test_draft_cycles(engine):
                                 uniforms=uniforms)
         inputs = dict(hidden=hidden, input_ids=ids, positions=positions, lengths=lengths, uniforms=uniforms,
                       **settings)
-        got = sessions["draft"].run(feeds(manifest, "draft", draft, **inputs))
+        got = sessions["draft"].run(feeds(draft, **inputs))
         want = {"drafts": cycle.drafts.numpy(), "draft_probs": cycle.probs.numpy(),
                 **{g.new: getattr(cycle.delta, g.name).numpy() for g in manifest.cache_groups("draft")}}
         assert (got["drafts"] == want["drafts"]).all(), f"draft cycle {sizes}: drafts differ"
         assert_same(got, want, f"draft cycle {sizes}")
         draft.commit([cycle.delta], sizes)
+
+
+def test_the_graphs_read_the_pools_only_through_gathers_of_the_rows_they_need(tiny_engine):
+    """A pool is the whole budget's memory: an op over a whole pool (a copy, a transpose) would make every call
+    cost as much as the budget. Each pool may only be reshaped (free) and gathered from."""
+    _, out = tiny_engine("mixed", mtp=MTP)
+    for graph in ("target", "draft"):
+        model = onnx.load(out / f"{graph}.onnx", load_external_data=False)
+        readers: dict[str, list[onnx.NodeProto]] = {}
+        for node in model.graph.node:
+            for i, name in enumerate(node.input):
+                readers.setdefault(name, []).append((node, i))
+        for pool in (i.name for i in model.graph.input if i.name.startswith("pool.")):
+            for node, _ in readers[pool]:
+                assert node.op_type == "Reshape", f"{graph}: {pool} read by {node.op_type}"
+                for user, position in readers[node.output[0]]:
+                    assert (user.op_type, position) == ("Gather", 0), f"{graph}: {pool} read by {user.op_type}"

@@ -19,16 +19,21 @@ FLASH = V4Config.from_dict(RELEASES["v4-flash"][0])
 
 
 def test_cache_accounting_of_flash():
-    groups = CacheLayout(FLASH, draft=False, mtp=3, value_bytes=2).groups
+    layout = CacheLayout(FLASH, draft=False, value_bytes=2)
+    groups = layout.groups
     # growth per token: 21 CSA layers * (512 + 128) / 4 + 20 HCA layers * 512 / 128 = 3440 values (docs/model.md)
     assert sum(g.bytes_per_token for g in groups) == 3440 * 2
     windows = [g for g in groups if g.name == "window_kv"]
-    assert len(windows) == 43 and all(g.rows_fixed == 127 + 4 and g.view_rows == 127 for g in windows)
-    draft = CacheLayout(FLASH, draft=True, mtp=3, value_bytes=2).groups
+    assert len(windows) == 43 and all(g.rows_fixed == 127 for g in windows)
+    draft = CacheLayout(FLASH, draft=True, value_bytes=2).groups
     assert [(g.layer, g.name, g.kind, g.rows_fixed, g.bytes_per_token) for g in draft] == [
-        (43, "window_kv", "mtp", 131, 0.0)]
+        (43, "window_kv", "mtp", 127, 0.0)]
     csa_state = next(g for g in groups if g.name == "compressor_kv" and g.kind == CSA)
-    assert (csa_state.rows_fixed, csa_state.view_rows, csa_state.width) == (7 + 4, 7, 1024)
+    assert (csa_state.rows_fixed, csa_state.width) == (7, 1024)
+    # one block is 128 positions: 32 CSA rows, one HCA row; the first row of a block takes it
+    assert layout.block_tokens == 128
+    assert {(g.kind, g.block_rows) for g in groups if g.ratio} == {(CSA, 32), (HCA, 1)}
+    assert [layout.blocks_for(n) for n in (0, 3, 4, 128, 131, 132, 1000)] == [0, 0, 1, 1, 1, 2, 8]
     assert sum(g.bytes_for(1000) for g in groups) == sum(g.fixed_bytes for g in groups) + sum(
         (1000 // g.ratio) * g.width * 2 for g in groups if g.ratio)
 
@@ -46,10 +51,13 @@ def test_the_graphs_read_and_write_every_group_by_its_name(name):
     for draft in (False, True):
         inputs, outputs = graph_specs(cfg, draft, mtp=3)
         layout = CacheLayout(cfg, draft)
-        assert [s.name for s in inputs if s.name.startswith("past.")] == [g.past for g in layout.groups]
+        assert [s.name for s in inputs if s.name.startswith("pool.")] == [g.pool for g in layout.groups]
         assert [s.name for s in outputs if s.name.startswith("new.")] == [g.new for g in layout.groups]
-        for spec, g in zip((s for s in inputs if s.name.startswith("past.")), layout.groups):
-            assert spec.shape[1] == (f"rows_{'csa' if g.kind == CSA else 'hca'}" if g.ratio else g.view_rows)
+        assert ("block_table" in {s.name for s in inputs}) == (not draft) == layout.paged
+        for spec, g in zip((s for s in inputs if s.name.startswith("pool.")), layout.groups):
+            assert spec.shape == (("pool_blocks", g.block_rows, g.width) if g.ratio
+                                  else ("pool_slots", g.rows_fixed, g.width))
+            assert not g.ratio or g.block_rows * g.ratio == layout.block_tokens
 
 
 @pytest.mark.parametrize("kind, ratio", [(CSA, 4), (HCA, 128), (HCA, 8)])

@@ -51,19 +51,25 @@ def test_mixed_phases_in_one_call_and_requests_joining_and_leaving(engine):
         assert r.generated == alone[i], f"request {i}"
 
 
-def test_cache_allocation_equals_the_engine_json_accounting(engine):
-    gen = Generator.from_engine_dir(engine, mtp=3)
+def test_a_request_holds_a_slot_and_only_the_blocks_its_positions_need(engine):
+    gen = Generator.from_engine_dir(engine, mtp=3, max_batch=8)
     manifest, scheduler = gen.manifest, gen.scheduler
-    r = scheduler.submit(prompts(manifest.model.vocab_size, [10])[0], GREEDY)
-    scheduler.step()                                                   # admitted: caches allocated
     written = json.loads((engine / "engine.json").read_text())["caches"]["groups"]
-    from_json = {part: sum(g["fixed_bytes"] + (r.capacity // g["ratio"]) * g["width"] * g["value_bytes"]
-                           if g["ratio"] else g["fixed_bytes"] for g in groups)
-                 for part, groups in written.items()}
-    assert r.target.nbytes == from_json["target"] and r.draft.nbytes == from_json["draft"]
-    assert r.target.nbytes + r.draft.nbytes == r.cache_bytes == scheduler.used_bytes
-    assert r.cache_bytes == scheduler.cache_bytes(r.capacity)
-    assert r.target.nbytes == sum(g.bytes_for(r.capacity) for g in manifest.cache_groups("target"))
+    pool = scheduler.pools["target"]
+    assert pool.slot_bytes == sum(g["fixed_bytes"] for g in written["target"])
+    assert pool.block_bytes == sum(g["block_rows"] * g["width"] * g["value_bytes"] for g in written["target"])
+    requests = [scheduler.submit(p, GREEDY) for p in prompts(manifest.model.vocab_size, [10] * 8)]
+    scheduler.step()                                                   # admitted, prefilled: 10 positions held
+    block_tokens = manifest.caches["target"].block_tokens
+    for r in requests:
+        assert r.target.length == 10 and len(r.target.blocks) == -(-10 // block_tokens)
+        assert r.target.nbytes == pool.slot_bytes + len(r.target.blocks) * pool.block_bytes
+    assert scheduler.used_bytes == sum(r.target.nbytes + r.draft.nbytes for r in requests)
+    # eight short requests hold a small part of a budget sized for eight of max_seq_len
+    assert scheduler.used_bytes * 20 < scheduler.budget
+    while scheduler.busy:
+        scheduler.step()
+    assert scheduler.used_bytes == 0 and pool.free_blocks + int((pool.refs > 0).sum()) == len(pool.refs)
 
 
 def test_a_request_that_does_not_draft_gets_no_draft_cache_and_is_charged_none(engine):
@@ -71,14 +77,18 @@ def test_a_request_that_does_not_draft_gets_no_draft_cache_and_is_charged_none(e
     scheduler = gen.scheduler
     plain = scheduler.submit(prompts(gen.manifest.model.vocab_size, [10])[0], SamplingParams(num_draft_tokens=0))
     scheduler.step()
-    assert plain.draft is None and plain.cache_bytes == plain.target.nbytes == scheduler.used_bytes
-    assert plain.cache_bytes < scheduler.cache_bytes(plain.capacity)         # what a drafting request is charged
+    assert plain.draft is None and plain.target.nbytes == scheduler.used_bytes
+
+
+def budget_for(gen: Generator, batch: int, blocks: int) -> int:
+    """A cache budget of `batch` slots and `blocks` blocks."""
+    return batch * gen.scheduler.cache_bytes(0) + blocks * gen.scheduler.pools["target"].block_bytes
 
 
 def test_a_request_that_cannot_fit_is_refused_before_anything_runs(engine):
     probe = Generator.from_engine_dir(engine, mtp=3)
-    one = probe.scheduler.cache_bytes(40 + 12 + 4)
-    gen = Generator.from_engine_dir(engine, mtp=3, max_cache_bytes=one)
+    one = budget_for(probe, 2, probe.scheduler.blocks_for(40 + 12 + 4))
+    gen = Generator.from_engine_dir(engine, mtp=3, max_cache_bytes=one, max_batch=2)
     cfg = gen.manifest.model
     running = gen.scheduler.submit(prompts(cfg.vocab_size, [40])[0], GREEDY)
     gen.scheduler.step()
@@ -91,6 +101,25 @@ def test_a_request_that_cannot_fit_is_refused_before_anything_runs(engine):
         gen.scheduler.step()
         assert gen.scheduler.used_bytes <= one
     assert len(running.generated) == len(second.generated) == GREEDY.max_new_tokens
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_when_the_pool_runs_out_the_newest_requests_are_preempted_and_recompute_exactly(engine, temperature):
+    solo = Generator.from_engine_dir(engine, mtp=3, prefix_cache=False)
+    cfg = solo.manifest.model
+    ps = prompts(cfg.vocab_size, [30, 21, 35, 9])
+    params = [SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=temperature, seed=i) for i in range(4)]
+    alone = [solo.generate([p], s)[0] for p, s in zip(ps, params)]
+    # four batch rows, blocks for about two of the requests at their longest
+    small = Generator.from_engine_dir(engine, mtp=3, max_batch=4, prefix_cache=False,
+                                      max_cache_bytes=budget_for(solo, 4, 2 * solo.scheduler.blocks_for(35 + 28)))
+    results = small.generate(ps, params)
+    assert sum(r.metrics["preemptions"] for r in results) > 0, "the pool ran out"
+    assert results[0].metrics["preemptions"] == 0, "the oldest request always progresses"
+    for got, want in zip(results, alone):
+        assert got.token_ids == want.token_ids
+        assert got.metrics["accepted_per_step"] == want.metrics["accepted_per_step"]
+    assert small.scheduler.used_bytes == 0
 
 
 def test_streaming_yields_accepted_tokens_as_they_come(engine):

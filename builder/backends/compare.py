@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from v4engine.runtime.cache import SequenceCache, batch_views
+from v4engine.runtime.cache import CachePool, SequenceCache
 from v4engine.runtime.engine import EngineManifest
 
 
@@ -19,10 +19,13 @@ def first_call_feeds(manifest: EngineManifest, graph: str, batch: int, seq: int)
     """The inputs of a first call of `graph` (a prefill on empty caches), random tokens and streams."""
     rng = np.random.default_rng(0)
     cfg = manifest.model
-    groups = manifest.cache_groups(graph)
-    caches = [SequenceCache(cfg, groups, 4 * seq, np.float32) for _ in range(batch)]
+    layout = manifest.caches[graph]
+    pool = CachePool(layout, batch, batch * layout.blocks_for(seq), np.float32)
+    caches = [SequenceCache(pool) for _ in range(batch)]
+    for cache in caches:
+        cache.reserve(seq)
     feeds = {"input_ids": rng.integers(0, cfg.vocab_size, (batch, seq)),
-             "positions": np.tile(np.arange(seq), (batch, 1)), **batch_views(caches, groups)}
+             "positions": np.tile(np.arange(seq), (batch, 1)), **pool.feeds(caches)}
     if graph == "draft":              # greedy and sampling rows alike
         feeds |= {"hidden": rng.standard_normal((batch, seq, cfg.hc_mult, cfg.hidden_size)).astype(np.float32),
                   "lengths": np.full(batch, seq, np.int64),

@@ -2,7 +2,6 @@
 runtime makes, decided from engine.json's build limits and recorded there, in the order the engine holds them."""
 from __future__ import annotations
 
-from v4engine.runtime.config import CSA, HCA
 from v4engine.runtime.engine import EngineManifest, TensorSpec
 from v4engine.runtime.profiles import Profile
 
@@ -13,18 +12,18 @@ def profiles(manifest: EngineManifest, graph: str) -> list[Profile]:
     target: `prefill` (chunks of up to max_prefill_chunk tokens, verify rows riding along) and `verify`
     (k+1 tokens per row: every decode step). draft: `extend` (a prompt's positions, in chunks) and `cycle` (the
     1..k+1 positions a verify committed: every decode step); both then run the k draft steps. Batch
-    1..max_batch; cached rows of each compressed kind 0..max_seq_len/ratio + 1 (its own ratio: HCA's rows are a
-    32nd of CSA's at V4's 4 and 128)."""
+    1..max_batch; block tables of 0..max_seq_len/block_tokens + 1 blocks per row; pools of 1..max_batch slots and
+    of 1..the blocks of max_batch rows of max_seq_len (the runtime sizes its pools within those)."""
     build = manifest.build
     max_batch, chunk, max_seq = build["max_batch"], build["max_prefill_chunk"], build["max_seq_len"]
-    cfg = manifest.model
-    rows = {kind: max_seq // cfg.compress_rates[layer_kind] + 1 for kind, layer_kind in (("rows_csa", CSA),
-                                                                                        ("rows_hca", HCA))}
+    layout = manifest.caches["target"]
+    blocks = layout.blocks_for(max_seq) + 1
     if graph == "target":
         kinds = {"prefill": (1, chunk, chunk), "verify": (1, manifest.mtp + 1, manifest.mtp + 1)}
     else:
         kinds = {"extend": (1, chunk, chunk), "cycle": (1, manifest.mtp + 1, manifest.mtp + 1)}
-    dims = {"batch": (1, 1, max_batch)} | {kind: (0, n // 2, n) for kind, n in rows.items()}
+    dims = {"batch": (1, 1, max_batch), "blocks": (0, blocks // 2, blocks), "pool_slots": (1, max_batch, max_batch),
+            "pool_blocks": (1, max_batch * blocks, max_batch * blocks)}
     out = []
     for name, seq in kinds.items():
         ranges = dims | {"seq": seq}

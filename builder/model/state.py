@@ -6,8 +6,10 @@ and commits the first n new positions of each row, so that rollback is simply co
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from v4engine.runtime.cache import CachePool, SequenceCache
 from v4engine.runtime.config import V4Config
 from v4engine.runtime.layout import CacheLayout, closed_windows
 
@@ -19,7 +21,7 @@ class ModelState:
 
     def __init__(self, cfg: V4Config, batch: int, draft: bool = False, dtype: torch.dtype = torch.float32):
         self.cfg, self.dtype = cfg, dtype
-        layout = CacheLayout(cfg, draft)
+        self.layout = layout = CacheLayout(cfg, draft)
         self.layers = [layout.of_layer(layer) for layer in dict.fromkeys(g.layer for g in layout.groups)]
         self.lengths = [0] * batch
         self.history: list[list[dict[str, torch.Tensor]]] = [
@@ -39,10 +41,24 @@ class ModelState:
         """What a forward reads of each layer: the rows the layout's view holds, compressed rows padded."""
         out = []
         for groups, rows in zip(self.layers, self.history):
-            view = {g.name: self._padded(rows, g.name) if g.ratio else self._last(rows, g.name, g.view_rows)
+            view = {g.name: self._padded(rows, g.name) if g.ratio else self._last(rows, g.name, g.rows_fixed)
                     for g in groups}
             out.append(LayerCache(**view))
         return out
+
+    def pool_feeds(self, dtype: type = np.float32) -> dict[str, np.ndarray]:
+        """The same caches as an engine call reads them: the runtime's pools (runtime/cache.py) holding every row's
+        history, with their `slots` and `block_table`."""
+        pool = CachePool(self.layout, self.batch, max(1, self.batch * self.layout.blocks_for(max(self.lengths))),
+                         dtype)
+        sequences = []
+        for b, length in enumerate(self.lengths):
+            sequence = SequenceCache(pool)
+            sequence.reserve(length)
+            sequence.commit({g.pool: rows[b][g.name].numpy() for groups, rows in zip(self.layers, self.history)
+                             for g in groups}, length)
+            sequences.append(sequence)
+        return pool.feeds(sequences)
 
     def commit(self, deltas: list[LayerDelta], n_new: list[int]) -> None:
         """Keep the first n_new[b] new positions of row b (the accepted prefix); drop the rest."""

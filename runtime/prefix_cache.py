@@ -1,0 +1,124 @@
+"""Prefix caching: a prompt that starts like an earlier one starts from that prompt's cache state.
+
+A V4 sequence's state at position P is more than its compressed rows: the sliding window and the compressors'
+open windows are rings that move on with every token, so an earlier request's live state at P is gone once it
+has passed P (and cannot be recomputed from the last window alone: those positions' rows depend on the windows
+before them, layer by layer). An entry is therefore taken whenever a prefill chunk ends, at P, and holds, for
+tokens[:P] exactly:
+- the target's blocks holding the rows of windows closed before P, shared by reference count. Full blocks are
+  never written again; the last one, when P is not a block boundary, is copied into a block of the forking
+  sequence's own (the rows after P in it are the earlier sequence's, and are overwritten before they are read);
+- a copy of the target's rings at P (windows and compressors' partial windows: O(window) rows per layer);
+- the target's hidden streams of the last W - 1 positions before P: the MTP layer's window rows at a position are
+  a function of that position's inputs only (its streams and the next token), so a forked request's first draft
+  cycle recomputes exactly the draft window it reads, from P - (W - 1) on.
+A request that forks at P runs exactly the tokens of a cold run from P on. Entries are found through a chain of
+block hashes (blake2b) of their full blocks, confirmed token by token, and evicted least recently used: when the
+pool needs blocks, or when the snapshots' own bytes pass their cap.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from .cache import CachePool, SequenceCache
+
+
+@dataclass
+class PrefixEntry:
+    tokens: tuple[int, ...]
+    blocks: list[int]                    # target blocks with rows of positions [0, P), one reference held here
+    rings: dict[str, np.ndarray]         # the target's rings at P, by pool name
+    hidden: np.ndarray                   # [min(P, W - 1), hc_mult, hidden]: target streams before P
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.rings.values()) + self.hidden.nbytes
+
+
+class PrefixCache:
+    """Entries of one scheduler's target pool; `max_bytes` caps the snapshots' own bytes (rings and streams)."""
+
+    def __init__(self, pool: CachePool, max_bytes: int):
+        self.pool, self.max_bytes = pool, max_bytes
+        self.block_tokens = pool.layout.block_tokens
+        self.entries: OrderedDict[tuple[int, ...], PrefixEntry] = OrderedDict()   # by tokens, oldest use first
+        self.by_blocks: dict[bytes, list[PrefixEntry]] = {}      # by the hash of their full blocks
+        self.nbytes = 0
+
+    def _keys(self, tokens: list[int], blocks: int) -> list[bytes]:
+        """The chained hash of tokens[:i * block_tokens] for i = 0..blocks."""
+        keys, bt = [b""], self.block_tokens
+        data = np.asarray(tokens[: blocks * bt], np.int64)
+        for i in range(blocks):
+            keys.append(hashlib.blake2b(keys[-1] + data[i * bt:(i + 1) * bt].tobytes(), digest_size=16).digest())
+        return keys
+
+    def lookup(self, tokens: list[int], limit: int) -> PrefixEntry | None:
+        """The longest entry that `tokens` starts with, of at most `limit` positions (most recently used now)."""
+        for key in reversed(self._keys(tokens, limit // self.block_tokens)):
+            found = [e for e in self.by_blocks.get(key, ()) if e.length <= limit
+                     and tuple(tokens[: e.length]) == e.tokens]
+            if found:
+                entry = max(found, key=lambda e: e.length)
+                self.entries.move_to_end(entry.tokens)
+                return entry
+        return None
+
+    def insert(self, tokens: list[int], cache: SequenceCache, hidden: np.ndarray) -> None:
+        """Remember `cache` (the target's) as the state after tokens[:cache.length]; `hidden` holds the streams of
+        the positions just before it."""
+        length = cache.length
+        key = tuple(tokens[:length])
+        if length == 0 or key in self.entries:
+            return
+        blocks = cache.blocks[: self.pool.layout.blocks_for(length)]
+        entry = PrefixEntry(key, blocks, cache.ring_rows(), hidden.copy())
+        if entry.nbytes > self.max_bytes:
+            return
+        self.pool.share(blocks)
+        self.entries[key] = entry
+        self.by_blocks.setdefault(self._keys(tokens, length // self.block_tokens)[-1], []).append(entry)
+        self.nbytes += entry.nbytes
+        while self.nbytes > self.max_bytes:
+            self.evict_one()
+
+    def evict_one(self, keep: PrefixEntry | None = None) -> bool:
+        """Drop the least recently used entry other than `keep`; False when there is none."""
+        for key, entry in self.entries.items():
+            if entry is not keep:
+                del self.entries[key]
+                base = self._keys(list(key), len(key) // self.block_tokens)[-1]
+                self.by_blocks[base].remove(entry)
+                if not self.by_blocks[base]:
+                    del self.by_blocks[base]
+                self.pool.release(entry.blocks)
+                self.nbytes -= entry.nbytes
+                return True
+        return False
+
+    def fork(self, entry: PrefixEntry) -> SequenceCache:
+        """A new target sequence at the entry's state: its full blocks shared, its partial last block (if any)
+        copied into one of the sequence's own (PoolExhausted if none is free), its rings copied."""
+        cache = SequenceCache(self.pool, length=entry.length)
+        cache.restore_rings(entry.rings)
+        full = entry.length // self.block_tokens
+        self.pool.share(entry.blocks[:full])
+        cache.blocks = list(entry.blocks[:full])
+        if len(entry.blocks) > full:
+            cache.reserve(entry.length)                    # one block of its own, for the rows after the fork
+            for g in self.pool.groups:
+                if g.ratio:
+                    self.pool.arrays[g.pool][cache.blocks[-1]] = self.pool.arrays[g.pool][entry.blocks[full]]
+        return cache
+
+    def clear(self) -> None:
+        while self.evict_one():
+            pass

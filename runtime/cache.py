@@ -7,9 +7,11 @@ and `block_table` (builder/model/paging.py); they never write them: they return 
 the rows of the first n new positions, and nothing else. Rollback is committing fewer. Host work per step is
 therefore proportional to the new tokens, whatever the context.
 
-Blocks are reference-counted, so that a prompt prefix's full blocks can be shared by the sequences that start
-with it (runtime/prefix_cache.py); a shared block is never written, since only the rows of windows closed after
-a sequence's own fork point are, and those lie in blocks of its own.
+Blocks are reference-counted, so that a prompt prefix's blocks can be shared by the sequences that start with it
+(runtime/prefix_cache.py). Rows are only ever added, never rewritten: a forked sequence writes only rows of
+windows closed after its fork point, which lie in blocks of its own (its copy of a partial last block, or new
+ones); the sequence a prefix entry was taken from may go on adding rows after the fork point to the entry's
+partial last block, which no reader of the entry sees (a fork copies the block and masks those rows).
 """
 from __future__ import annotations
 

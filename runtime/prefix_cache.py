@@ -19,12 +19,12 @@ pool needs blocks, or when the snapshots' own bytes pass their cap.
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
 
-from .cache import CachePool, SequenceCache
+from .cache import CachePool, PoolExhausted, SequenceCache
 
 
 @dataclass
@@ -104,19 +104,27 @@ class PrefixCache:
                 return True
         return False
 
+    def freeable(self, keep: PrefixEntry | None = None) -> int:
+        """Blocks that evicting every entry but `keep` would free: those no running sequence holds."""
+        held = Counter(b for e in self.entries.values() if e is not keep for b in e.blocks)
+        return sum(1 for b, n in held.items() if self.pool.refs[b] == n)
+
     def fork(self, entry: PrefixEntry) -> SequenceCache:
         """A new target sequence at the entry's state: its full blocks shared, its partial last block (if any)
         copied into one of the sequence's own (PoolExhausted if none is free), its rings copied."""
-        cache = SequenceCache(self.pool, length=entry.length)
-        cache.restore_rings(entry.rings)
         full = entry.length // self.block_tokens
+        cache = SequenceCache(self.pool, length=entry.length)
+        try:
+            own = self.pool.take_blocks(len(entry.blocks) - full)    # for the rows after the fork
+        except PoolExhausted:
+            cache.release()
+            raise
         self.pool.share(entry.blocks[:full])
-        cache.blocks = list(entry.blocks[:full])
-        if len(entry.blocks) > full:
-            cache.reserve(entry.length)                    # one block of its own, for the rows after the fork
-            for g in self.pool.groups:
-                if g.ratio:
-                    self.pool.arrays[g.pool][cache.blocks[-1]] = self.pool.arrays[g.pool][entry.blocks[full]]
+        cache.blocks = entry.blocks[:full] + own
+        for g in self.pool.groups:
+            if g.ratio and own:
+                self.pool.arrays[g.pool][own[0]] = self.pool.arrays[g.pool][entry.blocks[full]]
+        cache.restore_rings(entry.rings)
         return cache
 
     def clear(self) -> None:

@@ -118,8 +118,11 @@ class Scheduler:
         # pays for a slot of every part per batch row first, then for as many blocks as it holds.
         self.budget = max_cache_bytes if max_cache_bytes is not None else min(
             max_batch * self.cache_bytes(max_seq_len), host_memory() // 2)
-        block_bytes = manifest.caches["target"].block_bytes
-        blocks = max(0, self.budget - max_batch * self.cache_bytes(0)) // block_bytes if block_bytes else 0
+        # Never more blocks than max_batch sequences of max_seq_len can use (nor than a shape-specialized engine's
+        # profiles take, which stop there), and at least one where there are growing groups.
+        layout = manifest.caches["target"]
+        blocks = min(max(1, (self.budget - max_batch * self.cache_bytes(0)) // layout.block_bytes),
+                     max_batch * (layout.blocks_for(max_seq_len) + 1)) if layout.block_bytes else 0
         self.pools = {part: CachePool(layout, max_batch, blocks if part == "target" else 0, self.dtype)
                       for part, layout in manifest.caches.items()}
         # Snapshots (rings and streams) are host memory beside the pools: at most an eighth of the budget
@@ -250,14 +253,18 @@ class Scheduler:
     # ------------------------------------------------------------------ caches
     def _admit(self) -> None:
         """Admit waiting requests in order while a batch row is free and the pool has (or can free from unused
-        prefix entries) the blocks of the request's whole context: blocks actually needed, not max_seq_len's."""
+        prefix entries) the blocks of the request's whole context, beside those promised to the requests admitted
+        before it in this step: blocks actually needed, not max_seq_len's."""
+        promised = 0
         while self.waiting and len(self.active) < self.max_batch:
             request = self.waiting[0]
             context = request.context
             entry = self.prefix.lookup(context, len(context) - 1) if self.prefix is not None else None
             shared = entry.length // self.prefix.block_tokens if entry is not None else 0   # full blocks only
-            if not self._free_blocks(self.blocks_for(len(context) + 1) - shared, keep=entry):
+            need = self.blocks_for(len(context) + 1) - shared
+            if not self._free_blocks(promised + need, keep=entry):
                 break
+            promised += need
             self.waiting.pop(0)
             self._start(request, entry)
             self.active.append(request)
@@ -278,11 +285,15 @@ class Scheduler:
         r.phase = Phase.PREFILL
 
     def _free_blocks(self, need: int, keep: PrefixEntry | None = None) -> bool:
-        """Whether the target pool has `need` free blocks, evicting prefix entries (other than `keep`) for them."""
+        """Whether the target pool has `need` free blocks, evicting prefix entries (other than `keep`) for them;
+        none is evicted when evicting them all would not free enough."""
         pool = self.pools["target"]
+        if pool.free_blocks >= need:
+            return True
+        if self.prefix is None or pool.free_blocks + self.prefix.freeable(keep) < need:
+            return False
         while pool.free_blocks < need:
-            if self.prefix is None or not self.prefix.evict_one(keep):
-                return False
+            self.prefix.evict_one(keep)
         return True
 
     def _hold_blocks(self) -> None:

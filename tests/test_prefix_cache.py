@@ -75,6 +75,28 @@ def test_entries_share_blocks_until_evicted_and_then_free_them(engine):
     assert pool.free_blocks == len(pool.refs) and prefix.nbytes == 0 and not prefix.by_blocks
 
 
+def test_only_blocks_no_running_request_holds_count_as_freeable(engine):
+    gen = Generator.from_engine_dir(engine, mtp=3)
+    scheduler = gen.scheduler
+    prefix = tokens(40, seed=3)
+    gen.generate([prefix + [1]], GREEDY)
+    entries = list(scheduler.prefix.entries.values())
+    assert scheduler.prefix.freeable() == len({b for e in entries for b in e.blocks})
+    forked = scheduler.submit(prefix + [2, 3], GREEDY)
+    scheduler.step()                    # admitted: a fork at the first prompt's last block boundary, 32
+    assert forked.metrics.prefix_hit_tokens == 32
+    shared = set(forked.target.blocks) & {b for e in entries for b in e.blocks}
+    assert shared and scheduler.prefix.freeable() == len({b for e in entries for b in e.blocks} - shared)
+    while scheduler.busy:
+        scheduler.step()
+
+
+def test_a_huge_budget_gets_no_more_blocks_than_max_batch_rows_of_max_seq_len(engine):
+    gen = Generator.from_engine_dir(engine, mtp=3, max_batch=2, max_seq_len=256, max_cache_bytes=1 << 40)
+    layout = gen.manifest.caches["target"]
+    assert len(gen.scheduler.pools["target"].refs) == 2 * (layout.blocks_for(256) + 1)
+
+
 def test_turning_it_off_keeps_no_entries(engine):
     gen = Generator.from_engine_dir(engine, mtp=3, prefix_cache=False)
     prompt = tokens(40, seed=1)

@@ -85,7 +85,7 @@ def export_graph(cfg: V4Config, draft: bool, dtype: torch.dtype = torch.float32,
     with torch.device("meta"):                               # no weight memory, whatever the model size
         model = Transformer(cfg, mtp=draft).stack_experts().to_dtype(dtype).eval()
     inputs, outputs = graph_specs(cfg, draft, dtype_name, mtp)
-    max_blocks = -(-max_seq_len // CacheLayout(cfg, draft).block_tokens) + 1
+    max_blocks = CacheLayout(cfg, draft).table_blocks(max_seq_len)
     dims = {"batch": Dim("batch", min=1, max=max_batch), "seq": Dim("seq", min=1, max=max_seq_len),
             "blocks": Dim("blocks", min=0, max=max_blocks), "pool_slots": Dim("pool_slots", min=1),
             "pool_blocks": Dim("pool_blocks", min=1)}

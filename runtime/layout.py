@@ -177,6 +177,12 @@ class CacheLayout:
         """Blocks a sequence of `seq_len` committed tokens holds rows in (a block is taken by its first row)."""
         return max((-(-(seq_len // g.ratio) // g.block_rows) for g in self.groups if g.ratio), default=0)
 
+    def table_blocks(self, max_seq_len: int) -> int:
+        """The widest block table a row of at most `max_seq_len` positions has, with one block to spare: the
+        `blocks` dimension's bound in the exported graphs and profiles, and per row, the most the runtime's pool
+        can ever use."""
+        return self.blocks_for(max_seq_len) + 1
+
     def inputs(self, dtype: str) -> list[TensorSpec]:
         """`slots`, `block_table` (when a group grows), then `pool.*`: slot pools of rings, block pools of rows."""
         address = [TensorSpec(SLOTS, "int64", ("batch",))]

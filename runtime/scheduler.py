@@ -122,7 +122,7 @@ class Scheduler:
         # profiles take, which stop there), and at least one where there are growing groups.
         layout = manifest.caches["target"]
         blocks = min(max(1, (self.budget - max_batch * self.cache_bytes(0)) // layout.block_bytes),
-                     max_batch * (layout.blocks_for(max_seq_len) + 1)) if layout.block_bytes else 0
+                     max_batch * layout.table_blocks(max_seq_len)) if layout.block_bytes else 0
         self.pools = {part: CachePool(layout, max_batch, blocks if part == "target" else 0, self.dtype)
                       for part, layout in manifest.caches.items()}
         # Snapshots (rings and streams) are host memory beside the pools: at most an eighth of the budget

@@ -17,7 +17,7 @@ def profiles(manifest: EngineManifest, graph: str) -> list[Profile]:
     build = manifest.build
     max_batch, chunk, max_seq = build["max_batch"], build["max_prefill_chunk"], build["max_seq_len"]
     layout = manifest.caches["target"]
-    blocks = layout.blocks_for(max_seq) + 1
+    blocks = layout.table_blocks(max_seq)
     if graph == "target":
         kinds = {"prefill": (1, chunk, chunk), "verify": (1, manifest.mtp + 1, manifest.mtp + 1)}
     else:

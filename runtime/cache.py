@@ -7,6 +7,9 @@ and `block_table` (builder/model/paging.py); they never write them: they return 
 the rows of the first n new positions, and nothing else. Rollback is committing fewer. Host work per step is
 therefore proportional to the new tokens, whatever the context.
 
+The arrays are host numpy arrays or torch tensors on the engine's device (runtime/pool_arrays.py): the pool
+allocates and writes through them and never touches a row otherwise.
+
 Blocks are reference-counted, so that a prompt prefix's blocks can be shared by the sequences that start with it
 (runtime/prefix_cache.py). Rows are only ever added, never rewritten: a forked sequence writes only rows of
 windows closed after its fork point, which lie in blocks of its own (its copy of a partial last block, or new
@@ -15,12 +18,13 @@ partial last block, which no reader of the entry sees (a fork copies the block a
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from .errors import V4EngineError
 from .layout import BLOCK_TABLE, SLOTS, CacheGroup, CacheLayout, closed_windows
-
-NUMPY_DTYPES = {"fp32": np.float32, "fp16": np.float16}
+from .pool_arrays import PoolArrays
 
 
 class PoolExhausted(V4EngineError):
@@ -30,12 +34,13 @@ class PoolExhausted(V4EngineError):
 class CachePool:
     """The pools of one part (the target, or the MTP layer) for `slots` sequences and `blocks` blocks.
 
-    Arrays are allocated zeroed and untouched, so a large budget costs memory only as blocks are used."""
+    Arrays are allocated zeroed, in `storage` (host or device); on the host they stay untouched, so a large
+    budget costs memory only as blocks are used."""
 
-    def __init__(self, layout: CacheLayout, slots: int, blocks: int, dtype: type):
-        self.layout, self.groups = layout, layout.groups
-        self.arrays = {g.pool: np.zeros((blocks, g.block_rows, g.width) if g.ratio else (slots, g.rows_fixed, g.width),
-                                        dtype=dtype) for g in self.groups}
+    def __init__(self, layout: CacheLayout, slots: int, blocks: int, storage: PoolArrays):
+        self.layout, self.groups, self.storage = layout, layout.groups, storage
+        self.arrays = {g.pool: storage.zeros((blocks, g.block_rows, g.width) if g.ratio else (slots, g.rows_fixed, g.width))
+                       for g in self.groups}
         self._free_slots = list(range(slots - 1, -1, -1))
         self._free_blocks = list(range(blocks - 1, -1, -1))
         self.refs = np.zeros(blocks, np.int64)
@@ -80,7 +85,14 @@ class CachePool:
                 self._free_blocks.append(b)
 
     # ------------------------------------------------------------------ a call's inputs
-    def feeds(self, sequences: list["SequenceCache"]) -> dict[str, np.ndarray]:
+    def copy_block(self, source: int, target: int) -> None:
+        """Every growing group's rows of block `source` into block `target` (a prefix fork's partial block)."""
+        for g in self.groups:
+            if g.ratio:
+                self.arrays[g.pool][target] = self.arrays[g.pool][source]
+
+    # ------------------------------------------------------------------ a call's inputs
+    def feeds(self, sequences: list["SequenceCache"]) -> dict[str, Any]:
         """`slots`, `block_table` and every pool (by reference: nothing is copied) for one call over `sequences`.
         A shorter table is padded with its own last block (any block would do: the rows are masked)."""
         feeds: dict[str, np.ndarray] = {SLOTS: np.array([s.slot for s in sequences], np.int64)}
@@ -122,9 +134,9 @@ class SequenceCache:
         self.pool.release(self.blocks)
         self.blocks = []
 
-    def commit(self, deltas: dict[str, np.ndarray], n: int) -> None:
+    def commit(self, deltas: dict[str, Any], n: int) -> None:
         """Write the rows of the first n new positions (this sequence's row of each `new.*` delta, by group pool
-        name) into its slot and blocks, which `reserve` made room for."""
+        name; numpy, or torch on the pools' device) into its slot and blocks, which `reserve` made room for."""
         if self.pool.layout.blocks_for(self.length + n) > len(self.blocks):
             raise ValueError(f"cache blocks for {self.length + n} positions were not reserved")
         for g in self.groups:
@@ -132,11 +144,14 @@ class SequenceCache:
             if g.ratio:      # the rows of windows closed within the committed positions
                 first = self.length // g.ratio
                 rows = np.arange(first, first + closed_windows(self.length, n, g.ratio))
-                pool[np.array(self.blocks, np.int64)[rows // g.block_rows], rows % g.block_rows] = new[: len(rows)]
                 count = len(rows)
+                if count:
+                    index = (np.array(self.blocks, np.int64)[rows // g.block_rows], rows % g.block_rows)
+                    self.pool.storage.write(pool, index, new[:count])
             else:      # only the last ring-size positions survive a long chunk: write just those, once each
                 count = min(n, g.rows_fixed)
-                pool[self.slot, np.arange(self.length + n - count, self.length + n) % g.rows_fixed] = new[n - count:n]
+                index = (np.full(count, self.slot), np.arange(self.length + n - count, self.length + n) % g.rows_fixed)
+                self.pool.storage.write(pool, index, new[n - count:n])
             self.pool.bytes_written += count * g.width * pool.itemsize
         self.length += n
 
@@ -144,10 +159,11 @@ class SequenceCache:
     def groups(self) -> list[CacheGroup]:
         return self.pool.groups
 
-    def ring_rows(self) -> dict[str, np.ndarray]:
-        """A copy of this sequence's rings (its fixed groups' slot rows): a prefix snapshot (runtime/prefix_cache)."""
-        return {g.pool: self.pool.arrays[g.pool][self.slot].copy() for g in self.groups if not g.ratio}
+    def ring_rows(self) -> dict[str, Any]:
+        """A copy of this sequence's rings (its fixed groups' slot rows), where the pools are: a prefix snapshot
+        (runtime/prefix_cache)."""
+        return {g.pool: self.pool.storage.clone(self.pool.arrays[g.pool][self.slot]) for g in self.groups if not g.ratio}
 
-    def restore_rings(self, rows: dict[str, np.ndarray]) -> None:
+    def restore_rings(self, rows: dict[str, Any]) -> None:
         for name, value in rows.items():
             self.pool.arrays[name][self.slot] = value

@@ -84,8 +84,8 @@ class Generator:
                         max_batch: int | None = None, max_seq_len: int | None = None,
                         max_cache_bytes: int | None = None,
                         max_prefill_chunk: int | None = None, threads: int | None = None,
-                        providers: list[str] | None = None, share_threads: bool = False,
-                        prefix_cache: bool = True) -> "Generator":
+                        providers: list | None = None, share_threads: bool = False,
+                        prefix_cache: bool = True, device_pools: bool | None = None) -> "Generator":
         """Open an engine directory. mtp (<= the engine's k, 0 disables drafting) defaults to the engine's.
 
         providers: ONNX Runtime execution providers, e.g. ["CUDAExecutionProvider", "CPUExecutionProvider"] with
@@ -95,7 +95,9 @@ class Generator:
         engine's target and draft run on one process-wide pool (sessions/onnxruntime.share_thread_pool), which
         changes every later ONNX Runtime session of the process: for a program's own process only. prefix_cache:
         a prompt that starts like an earlier one reuses that prefix's caches (runtime/prefix_cache.py); the tokens
-        are those of a cold run either way."""
+        are those of a cold run either way. device_pools: an ONNX Runtime engine keeps its cache pools as torch
+        tensors on the session's device, bound in place (default: when a GPU provider comes first; True on the
+        CPU runs the same path with CPU tensors); TensorRT engines always do."""
         path = Path(path)
         manifest = EngineManifest.read(path)
         if backend is not None and backend != manifest.backend:
@@ -117,6 +119,8 @@ class Generator:
 
             share_thread_pool(threads)
         options = {k: v for k, v in (("threads", threads), ("providers", providers)) if v}
+        if device_pools is not None:
+            options["device_pools"] = device_pools
         if mtp:
             options["alternating"] = True                  # target and draft calls take turns on the same cores
         target = open_session(path, manifest, "target", **options)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from collections.abc import Iterable
 from typing import Any
 
 from .config import CSA, HCA, SLIDING, V4Config
@@ -36,6 +37,7 @@ ROW_GROUPS = (COMPRESSED, INDEX_KEYS)           # one row per closed window; the
 MTP_KIND = "mtp"                                # the draft layer's kind in engine.json (its attention is sliding)
 MIN_BLOCK_TOKENS = 16                           # a block's positions when the compression ratios allow fewer
 SLOTS, BLOCK_TABLE = "slots", "block_table"     # the graph inputs that address the pools
+NEW_PREFIX = "new."                             # the outputs that carry new cache rows (`new.{layer}.{group}`)
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,7 @@ class CacheGroup:
     @property
     def new(self) -> str:
         """The graph output holding the rows this call adds, committed by length after acceptance."""
-        return f"new.{self.layer}.{self.name}"
+        return f"{NEW_PREFIX}{self.layer}.{self.name}"
 
     @property
     def fixed_bytes(self) -> int:
@@ -114,7 +116,12 @@ def emitted_rows(tokens: Any, ratio: int, state_tokens: int) -> Any:
 def block_tokens(cfg: V4Config) -> int:
     """Positions per block of the growing groups: the smallest multiple of every compression ratio that is at
     least MIN_BLOCK_TOKENS (V4: 128, HCA's ratio)."""
-    lcm = math.lcm(*cfg.compress_rates.values())
+    return tokens_per_block(cfg.compress_rates.values())
+
+
+def tokens_per_block(ratios: Iterable[int]) -> int:
+    """block_tokens for these compression ratios."""
+    lcm = math.lcm(*ratios)
     return lcm * -(-MIN_BLOCK_TOKENS // lcm)
 
 

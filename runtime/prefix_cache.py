@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -31,7 +32,7 @@ from .cache import CachePool, PoolExhausted, SequenceCache
 class PrefixEntry:
     tokens: tuple[int, ...]
     blocks: list[int]                    # target blocks with rows of positions [0, P), one reference held here
-    rings: dict[str, np.ndarray]         # the target's rings at P, by pool name
+    rings: dict[str, Any]                # the target's rings at P, by pool name (where the pools are)
     hidden: np.ndarray                   # [min(P, W - 1), hc_mult, hidden]: target streams before P
 
     @property
@@ -121,9 +122,8 @@ class PrefixCache:
             raise
         self.pool.share(entry.blocks[:full])
         cache.blocks = entry.blocks[:full] + own
-        for g in self.pool.groups:
-            if g.ratio and own:
-                self.pool.arrays[g.pool][own[0]] = self.pool.arrays[g.pool][entry.blocks[full]]
+        if own:
+            self.pool.copy_block(entry.blocks[full], own[0])
         cache.restore_rings(entry.rings)
         return cache
 

@@ -29,11 +29,12 @@ from enum import Enum
 
 import numpy as np
 
-from .cache import NUMPY_DTYPES, CachePool, SequenceCache
+from .cache import CachePool, SequenceCache
 from .detokenize import IncrementalDetokenizer
 from .engine import EngineManifest
 from .errors import V4EngineError
 from .metrics import RequestMetrics
+from .pool_arrays import NUMPY_DTYPES, pool_arrays
 from .prefix_cache import PrefixCache, PrefixEntry
 from .sampling import RequestError, SamplingParams, accept_greedy, accept_sampled, distribution, draw, is_integer
 from .sessions import EngineSession
@@ -109,9 +110,13 @@ class Scheduler:
         self.target_session, self.draft_session = target, draft
         self.mtp, self.max_batch, self.max_seq_len = mtp, max_batch, max_seq_len
         self.max_prefill_chunk = max_prefill_chunk
-        self.dtype = NUMPY_DTYPES.get(manifest.dtype)
-        if self.dtype is None:
-            raise V4EngineError(f"engine dtype {manifest.dtype} cannot run in the numpy runtime on this machine")
+        if manifest.dtype not in NUMPY_DTYPES:
+            raise V4EngineError(f"engine dtype {manifest.dtype} cannot run in this runtime")
+        self.dtype = NUMPY_DTYPES[manifest.dtype]      # of host arrays: the draft's streams, prefix snapshots'
+        if draft is not None and draft.pool_device != target.pool_device:
+            raise V4EngineError(f"the draft session keeps its caches on {draft.pool_device}, the target on "
+                                f"{target.pool_device}: both must read pools in one place")
+        storage = pool_arrays(manifest.dtype, target.pool_device)
         self.groups = {part: manifest.cache_groups(part) for part in manifest.caches}
         # By default: the caches of max_batch sequences of max_seq_len tokens, but never more than half of this
         # machine's memory (an engine.json cannot make the runtime promise memory it does not have). The budget
@@ -123,7 +128,7 @@ class Scheduler:
         layout = manifest.caches["target"]
         blocks = min(max(1, (self.budget - max_batch * self.cache_bytes(0)) // layout.block_bytes),
                      max_batch * layout.table_blocks(max_seq_len)) if layout.block_bytes else 0
-        self.pools = {part: CachePool(layout, max_batch, blocks if part == "target" else 0, self.dtype)
+        self.pools = {part: CachePool(layout, max_batch, blocks if part == "target" else 0, storage)
                       for part, layout in manifest.caches.items()}
         # Snapshots (rings and streams) are host memory beside the pools: at most an eighth of the budget
         self.prefix = PrefixCache(self.pools["target"], self.budget // 8) if prefix_cache else None

@@ -24,8 +24,16 @@ scripts/gpu_check.sh runs first and hands over as JUnit XML (--tests).
     their stored format); every output written once. GB/s = those bytes / kernel time, as a share of the H200's
     4.8 TB/s and of a measured 2 GiB device copy.
 
+(e) Device pools (runtime/pool_arrays.py, cache.py): V4-Flash's target cache groups in bf16 pools on the GPU for 8
+    sequences of 64K context. Numerics: two sequences prefilled to 64K (random rows, on the device) and then one
+    verify step each, committed into device pools and into host pools alike: every pool bit-for-bit equal. Timing:
+    one decode step's commit (k + 1 = 4 positions for each of B = 8 sequences, the rows already on the device),
+    against what a step cost before the pools lived on the device, the whole pools of the B sequences crossing
+    PCIe (their bytes at a measured pinned host-to-device copy).
+
 --dry-run, without a GPU (tests/test_gpu_check.py runs it): (b) and (c) at the tiny size up to the launch: the plans
-built from the inputs, TensorRT's arguments against the PTX compiled for sm90, the bytes of the floor.
+built from the inputs, TensorRT's arguments against the PTX compiled for sm90, the bytes of the floor; (e) at the
+tiny size on CPU tensors.
 
 Output: the table on stdout; under --out, rows.jsonl (written as rows complete, so a run cut short keeps them),
 gpu_check.json (environment, rows, checks not started) and gpu_check.md (the table). Exit status: 0 when every check
@@ -55,7 +63,7 @@ from v4engine.plugins.kernels.aot import HIDDEN_PARAMS, resource_usage
 from v4engine.plugins.kernels.launch import LaunchPlan, compile_plan
 from v4engine.plugins.kernels.moe import BLOCK_T as MOE_BLOCK_T
 from v4engine.plugins.kernels.moe import max_blocks
-from v4engine.plugins.kernels.numerics import (ATTENTION, MOE, OPS, Draw, as_fp32, context, judge, kernel,
+from v4engine.plugins.kernels.numerics import (ATTENTION, INDEXER, MOE, OPS, Draw, as_fp32, context, judge, kernel,
                                                make_inputs, op_attrs, plan_function, query_positions, reference,
                                                tensors)
 from v4engine.plugins.tensorrt.plugins import device_target
@@ -180,17 +188,20 @@ def rows_of_tests(junit: Path) -> Iterable[Row]:
 def plans_for(op: str, z: SimpleNamespace, inputs: dict[str, torch.Tensor], splits: int = 1) -> list[LaunchPlan]:
     """The op's launch plans for these inputs, with the size's attributes (what TensorRT builds per shape)."""
     plan, attrs = plan_function(op), op_attrs(op, z)
+    if "pool" in inputs:                # a paged op: the pool's rows per block, the table's width
+        attrs["page_rows"] = inputs["pool"].shape[1]
     if op in ATTENTION:
         q, kv = inputs["q"], inputs["kv"]
         dims = dict(zip("BSHd", q.shape), T=kv.shape[1])
-        if "rows" in inputs:
-            dims["R"] = inputs["rows"].shape[1]
-        if "topk_idx" in inputs:
-            dims["k"] = inputs["topk_idx"].shape[2]
+        for name, dim, axis in (("rows", "R", 1), ("row_ids", "R", 1), ("block_table", "W", 1), ("topk_idx", "k", 2)):
+            if name in inputs:
+                dims[dim] = inputs[name].shape[axis]
         return plan(dims, q.dtype, splits=splits, **attrs)
-    if op == "indexer_topk":
+    if op in INDEXER:
         q, weights = inputs["q"], inputs["weights"]
-        dims = dict(zip(("B", "S", "h", "dI"), q.shape), R=inputs["keys"].shape[1])
+        dims = dict(zip(("B", "S", "h", "dI"), q.shape), R=inputs["key_ids"].shape[1])
+        if "block_table" in inputs:
+            dims["W"] = inputs["block_table"].shape[1]
         return [plan(dims, q.dtype, weights_dtype=weights.dtype, **attrs)]
     if op in MOE:
         x, w1 = inputs["x"], inputs["w1"]
@@ -227,9 +238,9 @@ def plan_calls(op: str, plans: list[LaunchPlan], inputs: dict[str, torch.Tensor]
                        out=torch.zeros(T, x.shape[1], dtype=torch.float32, device=device))
         calls = [(plan, [tensors[n] for n in plan.inputs], [tensors[n] for n in plan.outputs]) for plan in plans]
         return calls, tensors["out"]
-    if op == "indexer_topk":
+    if op in INDEXER:
         B, S = inputs["q_pos"].shape
-        idx = torch.empty(B, S, min(first.constexprs["TOPK"], inputs["keys"].shape[1]), dtype=torch.int64,
+        idx = torch.empty(B, S, min(first.constexprs["TOPK"], inputs["key_ids"].shape[1]), dtype=torch.int64,
                           device=device)
         return [(first, args, [idx])], idx
     kv = inputs["kv"]
@@ -384,11 +395,12 @@ def floor_bytes(op: str, inputs: dict[str, torch.Tensor], result: Any) -> int:
         return int(sum(t.numel() * t.element_size() * (chosen / experts if name in per_expert else 1)
                        for name, t in (*inputs.items(), ("out", result))))
     size = sum(t.numel() * t.element_size() for t in (*inputs.values(), *tensors(result)))
-    if op == "csa_attention":
-        rows, picks = inputs["rows"], inputs["topk_idx"]
-        B, R, d = rows.shape
-        picked = min(picks.shape[1] * picks.shape[2], R)             # rows a batch row's queries read
-        size -= (R - picked) * B * d * rows.element_size()
+    if op in ("csa_attention", "csa_attention_paged"):
+        rows, picks = inputs.get("rows", inputs.get("pool")), inputs["topk_idx"]
+        B, d = picks.shape[0], rows.shape[-1]
+        stored = rows.numel() // d                                   # every batch row's rows (a pool: its blocks)
+        picked = min(picks.shape[1] * picks.shape[2], stored // B)   # rows a batch row's queries read
+        size -= (stored - B * picked) * d * rows.element_size()
     return size
 
 
@@ -421,6 +433,98 @@ def timing_row(row: Row, op: str, z: SimpleNamespace, B: int, ptx: PtxLauncher |
     row.gbps = row.bytes / row.kernel_ms / 1e6
     row.peak_pct = 100 * row.gbps / HBM_PEAK_GBPS
     row.copy_pct = 100 * row.gbps / copy_gbps if copy_gbps else None
+
+
+# --------------------------------------------------------------------------- (e) device pools
+POOL_SEQUENCES, POOL_CONTEXT, VERIFY_POSITIONS = 8, 65536, 4
+
+
+def pool_config(dry_run: bool) -> Any:
+    """V4-Flash's config (builder/release.py), or the tiny one for the dry run."""
+    from v4engine.builder.release import RELEASES
+    from v4engine.builder.tiny import TINY_CONFIGS
+    from v4engine.runtime.config import V4Config
+
+    return V4Config.from_dict(TINY_CONFIGS["flash_like"] if dry_run else RELEASES["v4-flash"][0])
+
+
+def commit_step(pool: Any, caches: list, n: int, rows: Callable[[Any, int], Any]) -> None:
+    """Every sequence commits n positions, each group's delta `rows(group, count)` (as a graph emits them)."""
+    from v4engine.runtime.layout import closed_windows
+
+    for cache in caches:
+        cache.reserve(cache.length + n)
+        cache.commit({g.pool: rows(g, closed_windows(cache.length, n, g.ratio) if g.ratio else n)
+                      for g in pool.groups}, n)
+
+
+def check_pools(report: Report, device: torch.device, dry_run: bool) -> None:
+    from v4engine.runtime.cache import CachePool, SequenceCache
+    from v4engine.runtime.layout import CacheLayout
+    from v4engine.runtime.pool_arrays import DeviceArrays, HostArrays, to_numpy
+
+    cfg = pool_config(dry_run)
+    layout = CacheLayout(cfg, draft=False, value_bytes=2)
+    context = 8 * layout.block_tokens if dry_run else POOL_CONTEXT
+    per_sequence = layout.table_blocks(context)
+
+    def numerics(row: Row) -> None:
+        pools = [CachePool(layout, 2, 2 * per_sequence, arrays)
+                 for arrays in (DeviceArrays("bf16", str(device)), HostArrays("bf16"))]
+        caches = [[SequenceCache(pool) for _ in range(2)] for pool in pools]
+        g = torch.Generator(device).manual_seed(0)
+        for n in (context - VERIFY_POSITIONS, VERIFY_POSITIONS):
+            made: list[torch.Tensor] = []
+
+            def draw(group: Any, count: int) -> torch.Tensor:
+                made.append(torch.randn((count, group.width), generator=g, device=device, dtype=torch.bfloat16))
+                return made[-1]
+
+            commit_step(pools[0], caches[0], n, draw)
+            given = iter(made)
+            commit_step(pools[1], caches[1], n, lambda group, count: to_numpy(next(given)))
+        differ = [name for name, array in pools[1].arrays.items()
+                  if not np.array_equal(to_numpy(pools[0].arrays[name]).view(np.int16), array.view(np.int16))]
+        row.ok = not differ
+        row.bytes = pools[0].bytes_written
+        row.note = f"differ: {differ[:3]}" if differ else f"{len(pools[1].arrays)} pools bit-for-bit equal"
+
+    def timing(row: Row) -> None:
+        pool = CachePool(layout, POOL_SEQUENCES, POOL_SEQUENCES * per_sequence, DeviceArrays("bf16", str(device)))
+        caches = [SequenceCache(pool, length=context - 64) for _ in range(POOL_SEQUENCES)]
+        for cache in caches:            # the blocks a 64K context holds (their rows left as allocated)
+            cache.reserve(cache.length)
+        step = {g.pool: torch.randn((VERIFY_POSITIONS, g.width), device=device, dtype=torch.bfloat16)
+                for g in pool.groups}
+        written = pool.bytes_written
+
+        def one_step() -> None:
+            commit_step(pool, caches, VERIFY_POSITIONS, lambda group, count: step[group.pool][:count])
+            torch.cuda.synchronize(device)
+            for cache in caches:        # the next step writes the same positions again
+                cache.length -= VERIFY_POSITIONS
+
+        one_step()
+        row.bytes = pool.bytes_written - written
+        row.kernel_ms = float(np.median([_wall_ms(one_step) for _ in range(20)]))
+        whole = POOL_SEQUENCES * layout.bytes_for(context)
+        pinned = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+        on_device = torch.empty_like(pinned, device=device)
+        h2d_gbps = (1 << 30) / gpu_ms(lambda: on_device.copy_(pinned, non_blocking=True)) / 1e6
+        row.eager_ms = whole / h2d_gbps / 1e6
+        row.note = (f"commit of {VERIFY_POSITIONS} positions x {POOL_SEQUENCES} sequences on the device; eager ms: "
+                    f"their whole pools ({whole / 1e9:.2f} GB) over PCIe at {h2d_gbps:.1f} GB/s, as before")
+
+    report.run(Row("pools", f"{'tiny' if dry_run else 'v4-flash'} commit = host commit, 2 x {context}"), numerics)
+    if not dry_run:
+        report.run(Row("pools", f"v4-flash decode commit @{context} B={POOL_SEQUENCES}"), timing)
+        torch.cuda.empty_cache()
+
+
+def _wall_ms(fn: Callable[[], None]) -> float:
+    started = time.perf_counter()
+    fn()
+    return 1e3 * (time.perf_counter() - started)
 
 
 # --------------------------------------------------------------------------- driver
@@ -487,12 +591,14 @@ def main(argv: list[str] | None = None) -> int:
             ptx = PtxLauncher("sm90")
             check_aot(report, ptx, ["tiny"], device)
             check_timing(report, "tiny", [catalog.SIZES["tiny"].B], None, None, device, timed=False)
+            check_pools(report, device, dry_run=True)
         else:
             ptx = gpu_launcher(device, env, extra)
             if ptx is not None:
                 extra["ptx_notes"] = ptx.notes         # filled as kernels load
                 check_aot(report, ptx, catalog.SIZES, device)
             copy_gbps = copy_bandwidth(report, device)
+            check_pools(report, device, dry_run=False)
             check_timing(report, "v4-flash", TIMING_BATCHES, ptx, copy_gbps, device)
     except KeyboardInterrupt:          # gpu_check.sh's time limit: keep what was done
         extra["interrupted"] = f"after {time.monotonic() - started:.0f} s"

@@ -188,6 +188,6 @@ def test_fp16_engine_matches_the_fp32_model_within_fp16_rounding(bf16_engine, tm
     ids = torch.randint(0, model.cfg.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = model(ids, state.positions(40), state.views()).logits.numpy()
-    feeds = {"input_ids": ids.numpy(), "positions": state.positions(40).numpy(), **state.pool_feeds(np.float16)}
+    feeds = {"input_ids": ids.numpy(), "positions": state.positions(40).numpy(), **state.pool_feeds("fp16")}
     got = open_session(tmp_path / "e", manifest, "target").run(feeds)["logits"]
     assert np.abs(got - want).max() <= 2e-2 * max(1.0, np.abs(want).max())

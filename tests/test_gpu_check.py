@@ -81,6 +81,10 @@ def test_dry_run_installs_v4engine_offline_collects_the_gpu_tests_and_checks_up_
     B, R, d = rows.shape
     assert floor["csa_attention"] == everything - (R - min(TINY.topk, R)) * B * d * rows.element_size(), \
         "of CSA's rows, only the picked ones count"
+    table = make_inputs("csa_attention_paged", TINY, query_positions(TINY, TINY.B, 1, draw), draw)["block_table"]
+    assert floor["csa_attention_paged"] == floor["csa_attention"] + table.numel() * 8, "paged: the same, and the table"
+    [pools] = [row for row in details["rows"] if row["check"] == "pools"]
+    assert pools["ok"] and "bit-for-bit equal" in pools["note"], pools
 
 
 def test_the_table_carries_the_tests_verdicts_and_a_failed_test_fails_the_check(tmp_path):
@@ -114,5 +118,7 @@ def test_checks_not_started_before_the_time_limit_leave_the_run_incomplete(tmp_p
                           env=ENV, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "incomplete" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
     details = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert details["rows"] == [] and len(details["skipped"]) == len(catalog.plans("tiny")) + len(OPS)
+    pools = ["pools tiny commit = host commit, 2 x 256"]         # (e): the device pools' commit
+    assert details["rows"] == [] and len(details["skipped"]) == len(catalog.plans("tiny")) + len(OPS) + len(pools)
+    assert details["skipped"][-1] == pools[0]
 

@@ -13,6 +13,7 @@ import numpy as np
 
 from v4engine.runtime.cache import CachePool, SequenceCache
 from v4engine.runtime.engine import EngineManifest
+from v4engine.runtime.pool_arrays import HostArrays
 
 
 def first_call_feeds(manifest: EngineManifest, graph: str, batch: int, seq: int) -> dict[str, np.ndarray]:
@@ -20,7 +21,7 @@ def first_call_feeds(manifest: EngineManifest, graph: str, batch: int, seq: int)
     rng = np.random.default_rng(0)
     cfg = manifest.model
     layout = manifest.caches[graph]
-    pool = CachePool(layout, batch, batch * layout.blocks_for(seq), np.float32)
+    pool = CachePool(layout, batch, batch * layout.blocks_for(seq), HostArrays("fp32"))
     caches = [SequenceCache(pool) for _ in range(batch)]
     for cache in caches:
         cache.reserve(seq)

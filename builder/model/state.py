@@ -12,6 +12,7 @@ import torch
 from v4engine.runtime.cache import CachePool, SequenceCache
 from v4engine.runtime.config import V4Config
 from v4engine.runtime.layout import CacheLayout, closed_windows
+from v4engine.runtime.pool_arrays import HostArrays
 
 from .v4 import LayerCache, LayerDelta
 
@@ -46,11 +47,11 @@ class ModelState:
             out.append(LayerCache(**view))
         return out
 
-    def pool_feeds(self, dtype: type = np.float32) -> dict[str, np.ndarray]:
+    def pool_feeds(self, dtype: str = "fp32") -> dict[str, np.ndarray]:
         """The same caches as an engine call reads them: the runtime's pools (runtime/cache.py) holding every row's
         history, with their `slots` and `block_table`."""
         pool = CachePool(self.layout, self.batch, max(1, self.batch * self.layout.blocks_for(max(self.lengths))),
-                         dtype)
+                         HostArrays(dtype))
         sequences = []
         for b, length in enumerate(self.lengths):
             sequence = SequenceCache(pool)

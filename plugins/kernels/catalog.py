@@ -13,9 +13,10 @@ from types import SimpleNamespace
 import torch
 
 from v4engine.runtime.config import CSA, HCA
-from v4engine.runtime.layout import open_window_tokens
+from v4engine.runtime.layout import open_window_tokens, tokens_per_block
 
-from .attention import plan_csa_attention, plan_hca_attention, plan_sliding_attention
+from .attention import (plan_csa_attention, plan_csa_attention_paged, plan_hca_attention, plan_hca_attention_paged,
+                        plan_sliding_attention)
 from .compressor import plan_csa_compress, plan_hca_compress
 from .indexer import plan_indexer_topk
 from .launch import LaunchPlan
@@ -33,12 +34,22 @@ SIZES = {
 }
 
 
+def page_rows(z: SimpleNamespace, op: str) -> int:
+    """Rows per block of a paged op's pool, as the runtime's layout makes them (runtime/layout.block_tokens):
+    the block covers the smallest multiple of both ratios of at least MIN_BLOCK_TOKENS positions. V4-Flash: 128
+    positions, 1 HCA row, 32 CSA rows or index keys."""
+    return tokens_per_block((z.hca_ratio, z.csa_ratio)) // (z.hca_ratio if op == "hca_attention_paged" else z.csa_ratio)
+
+
 def plans(size: str) -> dict[str, list[LaunchPlan]]:
     """Op call -> its launch plans (an attention call with key splits has two: attention, then combine)."""
     z = SIZES[size]
     attention = dict(B=z.B, S=z.S, H=z.H, d=z.d, T=z.window - 1 + z.S)    # keys: the window's W-1 cached, S new
     attrs = dict(window=z.window, scale=z.d ** -0.5)
     hca_state, csa_state = open_window_tokens(HCA, z.hca_ratio), open_window_tokens(CSA, z.csa_ratio)
+    # paged: rows per block as the runtime's layout makes them, and a table as wide as the rows need
+    hca_page, csa_page = page_rows(z, "hca_attention_paged"), page_rows(z, "csa_attention_paged")
+    hca_table, csa_table = -(-z.hca_rows // hca_page), -(-z.csa_rows // csa_page)
     calls = {}
     for n, suffix in ((1, ""), (z.splits, f"_split{z.splits}")):
         calls |= {
@@ -46,7 +57,12 @@ def plans(size: str) -> dict[str, list[LaunchPlan]]:
             f"hca_attention{suffix}": plan_hca_attention(attention | dict(R=z.hca_rows), z.dtype, ratio=z.hca_ratio,
                                                          splits=n, **attrs),
             f"csa_attention{suffix}": plan_csa_attention(attention | dict(R=z.csa_rows, k=z.topk), z.dtype, splits=n,
-                                                         **attrs)}
+                                                         **attrs),
+            f"hca_attention_paged{suffix}": plan_hca_attention_paged(
+                attention | dict(R=z.hca_rows, W=hca_table), z.dtype, ratio=z.hca_ratio, page_rows=hca_page,
+                splits=n, **attrs),
+            f"csa_attention_paged{suffix}": plan_csa_attention_paged(
+                attention | dict(W=csa_table, k=z.topk), z.dtype, page_rows=csa_page, splits=n, **attrs)}
     experts = dict(experts=z.E, dim=z.D, inter=z.inter, k=z.k, limit=10.0)
     for weight_format in ("float", "fp8", "mxfp4"):       # V4-Flash's experts are MXFP4; Flash-Base's FP8
         calls[f"routed_experts_{weight_format}"] = plan_routed_experts({"T": z.B * z.S}, z.dtype,
@@ -54,6 +70,9 @@ def plans(size: str) -> dict[str, list[LaunchPlan]]:
     return calls | {   # compressors see the state_tokens kept (CSA's windows overlap), then the S new tokens
         "indexer_topk": [plan_indexer_topk(dict(B=z.B, S=z.S, h=z.h, dI=z.dI, R=z.csa_rows), z.dtype, topk=z.topk,
                                            ratio=z.csa_ratio, scale=z.dI ** -0.5, weights_dtype=torch.float32)],
+        "indexer_topk_paged": [plan_indexer_topk(dict(B=z.B, S=z.S, h=z.h, dI=z.dI, R=z.csa_rows, W=csa_table),
+                                                 z.dtype, topk=z.topk, ratio=z.csa_ratio, scale=z.dI ** -0.5,
+                                                 weights_dtype=torch.float32, page_rows=csa_page)],
         "hca_compress": [plan_hca_compress(dict(B=z.B, L=hca_state + z.S, C=z.hca_C), z.dtype, ratio=z.hca_ratio,
                                            state_tokens=hca_state)],
         "csa_compress": [plan_csa_compress(dict(B=z.B, L=csa_state + z.S, C=z.csa_C), z.dtype, ratio=z.csa_ratio,

@@ -18,6 +18,7 @@ and the reference score of the i-th pick equal to the i-th best reference score.
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from functools import partial
 from types import SimpleNamespace
@@ -36,13 +37,19 @@ from . import attention as attention_kernels
 from . import compressor as compressor_kernels
 from . import indexer as indexer_kernels
 from . import moe as moe_kernels
+from .catalog import page_rows
+from .paging import page, unpage
 
-ATTENTION = ("sliding_attention", "hca_attention", "csa_attention")
+# paged op -> the dense op it computes, its rows or keys in a block pool read through a block table
+PAGED = {"hca_attention_paged": "hca_attention", "csa_attention_paged": "csa_attention",
+         "indexer_topk_paged": "indexer_topk"}
+ATTENTION = ("sliding_attention", "hca_attention", "csa_attention", "hca_attention_paged", "csa_attention_paged")
+INDEXER = ("indexer_topk", "indexer_topk_paged")
 COMPRESS = ("hca_compress", "csa_compress")
 MOE = {f"routed_experts_{fmt}": fmt for fmt in moe_kernels.FORMATS}      # op -> the experts' weight format
-OPS = ATTENTION + ("indexer_topk",) + COMPRESS + tuple(MOE)
+OPS = ATTENTION + INDEXER + COMPRESS + tuple(MOE)
 _MODULES = {op: (attention_kernels, attention_ref) for op in ATTENTION} | {
-    "indexer_topk": (indexer_kernels, indexer_ref)} | {op: (compressor_kernels, compressor_ref) for op in COMPRESS}
+    op: (indexer_kernels, indexer_ref) for op in INDEXER} | {op: (compressor_kernels, compressor_ref) for op in COMPRESS}
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2}   # fp32: absolute; bf16: relative to max |reference|
 EXACT_INDEXER_SCALE = 0.5       # with integers=True inputs every indexer score is then exact in fp32
@@ -56,9 +63,12 @@ def kernel(op: str) -> Callable:
 
 
 def reference(op: str) -> Callable:
-    """The op's PyTorch reference (plugins/), the oracle, taking make_inputs' tensors in order."""
+    """The op's PyTorch reference (plugins/), the oracle, taking make_inputs' tensors in order; a paged op's is
+    its dense op's on the rows gathered back through the block table."""
     if op in MOE:
         return partial(_moe_reference, MOE[op])
+    if op in PAGED:
+        return lambda *values, **attrs: reference(PAGED[op])(*dense_inputs(op, values).values(), **attrs)
     return getattr(_MODULES[op][1], op)
 
 
@@ -66,7 +76,7 @@ def plan_function(op: str) -> Callable:
     """The op's plan_* function: its launch plans for given dims, dtype and attributes (catalog.py's, TensorRT's)."""
     if op in MOE:
         return partial(moe_kernels.plan_routed_experts, weight_format=MOE[op])
-    return getattr(_MODULES[op][0], f"plan_{op}")
+    return getattr(_MODULES[op][0], f"plan_{op}" if op != "indexer_topk_paged" else "plan_indexer_topk")
 
 
 def _moe_kernel(weight_format: str, x, indices, weights, w1, w2, w3, w1_scale, w2_scale, w3_scale, **attrs):
@@ -149,11 +159,38 @@ def _csa_picks(q_pos: torch.Tensor, z: SimpleNamespace, draw: Draw, holes: bool)
     return picks.masked_fill(empty, -1)
 
 
+_PAGED_NAMES = {"hca_attention_paged": "rows", "csa_attention_paged": "rows", "indexer_topk_paged": "keys"}
+
+
+def dense_inputs(op: str, values: Any) -> dict[str, torch.Tensor]:
+    """A paged op's inputs (make_inputs' order, as a dict or positionally) as its dense op's: the rows or keys
+    gathered through the block table (rows past R, padding and the spare block, dropped)."""
+    names = list(inspect.signature(kernel(op)).parameters)[: len(values)]
+    paged = dict(zip(names, values.values() if isinstance(values, dict) else values))
+    R = paged["row_ids" if "row_ids" in paged else "key_ids"].shape[1] if op != "csa_attention_paged" else None
+    dense = {}
+    for name, value in paged.items():
+        if name == "pool":
+            dense[_PAGED_NAMES[op]] = unpage(value, paged["block_table"], R)
+        elif name != "block_table":
+            dense[name] = value
+    return dense
+
+
 def make_inputs(op: str, z: SimpleNamespace, q_pos: torch.Tensor, draw: Draw, *, holes: bool = True,
                 integers: bool = False) -> dict[str, torch.Tensor]:
     """The op's inputs at size z, named and ordered as its reference's parameters. holes: empty (-1) slots as in a
-    cache being filled; integers: the indexer's exact-sum inputs (small integers, weights multiples of 1/2)."""
+    cache being filled; integers: the indexer's exact-sum inputs (small integers, weights multiples of 1/2).
+    A paged op: its dense op's inputs with the rows (keys) paged into a pool of shuffled blocks and a table."""
     B, S = q_pos.shape
+    if op in PAGED:
+        dense, inputs = make_inputs(PAGED[op], z, q_pos, draw, holes=holes, integers=integers), {}
+        for name, value in dense.items():
+            if name == _PAGED_NAMES[op]:
+                inputs["pool"], inputs["block_table"] = page(value, page_rows(z, op), torch.Generator().manual_seed(5))
+            else:
+                inputs[name] = value
+        return inputs
     if op in MOE:
         return _moe_inputs(MOE[op], z, B * S, draw)
     if op == "indexer_topk":
@@ -216,6 +253,8 @@ def op_attrs(op: str, z: SimpleNamespace) -> dict[str, Any]:
     """The op's attributes at a catalog size, as catalog.plans gives them to the plan functions."""
     if op in MOE:
         return dict(limit=10.0)
+    if op in PAGED:
+        return op_attrs(PAGED[op], z)
     if op in ATTENTION:
         return dict(window=z.window, scale=z.d ** -0.5) | (dict(ratio=z.hca_ratio) if op == "hca_attention" else {})
     if op == "indexer_topk":
@@ -253,6 +292,8 @@ def tensors(result: Any) -> tuple[torch.Tensor, ...]:
 def judge(op: str, got: Any, want: Any, inputs: dict[str, torch.Tensor], attrs: dict[str, Any],
           exact: bool = False) -> Verdict:
     """The kernel's result `got` against the fp32 reference's `want` on `inputs` (exact: integers=True inputs)."""
+    if op in PAGED:
+        op, inputs = PAGED[op], dense_inputs(op, inputs)
     if op == "indexer_topk":
         return _judge_indexer(got, want, inputs, attrs, exact)
     problems = []

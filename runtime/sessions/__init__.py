@@ -17,10 +17,15 @@ class EngineRunError(V4EngineError):
 
 
 class EngineSession(ABC):
-    """One compiled graph of an engine directory: named numpy arrays in, named numpy arrays out."""
+    """One compiled graph of an engine directory: named arrays in, named arrays out.
+
+    `pool_device` says where the session reads the cache pools: None, host numpy arrays (and every output is
+    numpy); a torch device ("cuda:0"), torch tensors there, read in place, and the `new.*` outputs may be torch
+    tensors there too (the pool writes them on the device). The other outputs are always numpy."""
 
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
+    pool_device: str | None = None
 
     @abstractmethod
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

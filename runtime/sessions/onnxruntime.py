@@ -18,6 +18,13 @@ draft and the verify after it run on threads already awake. ONNX Runtime makes t
 and for good: after it, it refuses any session made with a pool of its own (anyone's), so only a program's entry
 point asks for it (`Generator.from_engine_dir(..., share_threads=True)`: v4generate, the demo, the benchmarks),
 never the library on its own.
+
+Where the caches live. On the CPU provider the pools are numpy arrays, which ONNX Runtime reads in place. On a GPU
+provider (CUDA; MIGraphX through onnxruntime-migraphx) they are torch tensors on the session's device
+(`pool_device`), bound by DLPack through an IOBinding, never copied; the rows a call produces (`new.*`) are left
+on the device for the CUDA provider and the pool writes them there (runtime/pool_arrays.py); the other outputs
+come to the host. `device_pools=True` runs the same binding path on the CPU provider with torch CPU tensors (how
+it is tested without a GPU).
 """
 from __future__ import annotations
 
@@ -25,15 +32,35 @@ import ctypes
 import os
 from pathlib import Path
 
+from typing import Any
+
 import numpy as np
 import onnxruntime as ort
 
 from ..engine import EngineManifest
 from ..engine_folder import EngineFolder, EngineFormatError, read_graph
+from ..layout import NEW_PREFIX
+from ..pool_arrays import NUMPY_DTYPES, to_numpy
 from ..untrusted import first_line
 from . import EngineRunError, EngineSession, checked_outputs
 
 QMOE_GEMM = "ORT_QMOE_CPU_QNBIT_GEMM"
+# Providers whose sessions keep the pools on their GPU, with the IOBinding device their outputs may stay on (None:
+# outputs come to the host; MIGraphX's device names differ between ONNX Runtime builds, and only new rows move)
+DEVICE_PROVIDERS = {"CUDAExecutionProvider": "cuda", "MIGraphXExecutionProvider": None}
+Provider = str | tuple[str, dict]
+BFLOAT16, ONNX_BFLOAT16 = NUMPY_DTYPES["bf16"], 16       # ml_dtypes' bfloat16; onnx.TensorProto.BFLOAT16
+
+
+def _device_of(providers: list[Provider]) -> tuple[str, str | None, int] | None:
+    """(provider, IOBinding device type for outputs, device id) of the first provider that runs on a GPU, or None."""
+    for provider in providers:
+        name, options = (provider, {}) if isinstance(provider, str) else provider
+        if name == "CPUExecutionProvider":
+            return None
+        if name in DEVICE_PROVIDERS:
+            return name, DEVICE_PROVIDERS[name], int(options.get("device_id", 0))
+    return None
 _shared_pool = False             # share_thread_pool() ran: every session of this process uses one pool
 
 
@@ -59,9 +86,11 @@ def release_freed_heap() -> None:
 
 
 class OnnxRuntimeSession(EngineSession):
-    def __init__(self, engine_dir: str | Path, manifest: EngineManifest, graph: str, providers: list[str] | None = None,
-                 threads: int | None = None, load_check: bool = False, alternating: bool = False):
-        """`load_check`: only prove that ONNX Runtime loads and resolves the graph, with every weight left in
+    def __init__(self, engine_dir: str | Path, manifest: EngineManifest, graph: str,
+                 providers: list[Provider] | None = None, threads: int | None = None, load_check: bool = False,
+                 alternating: bool = False, device_pools: bool | None = None):
+        """`device_pools`: keep the pools as torch tensors on the session's device (None: when a GPU provider
+        comes first; True on the CPU provider: torch CPU tensors through the same binding path). `load_check`: only prove that ONNX Runtime loads and resolves the graph, with every weight left in
         its memory-mapped file (no graph optimization, no prepacking): memory stays flat in the model size.
         `alternating`: this session takes turns with another (target and MTP draft). Then, on a pool of its own,
         its idle threads must not spin: two spinning pools on the same cores made MTP = 3 slower than no drafting
@@ -99,10 +128,60 @@ class OnnxRuntimeSession(EngineSession):
         self.inputs, self.outputs = entry.inputs, entry.outputs
         self._output_names = [o.name for o in entry.outputs]
         self._graph = folder.directory / entry.file
+        self._bind_outputs: str | None = None       # device type where new rows stay (None: the host)
+        gpu = _device_of(providers or [])
+        if device_pools is None:
+            device_pools = gpu is not None
+        if device_pools:
+            try:
+                import torch
+            except ImportError:
+                raise EngineFormatError(f"{self._graph}: caches on the device need torch (a build for this GPU) "
+                                        "beside ONNX Runtime; install it, or pass device_pools=False") from None
+            self._torch = torch
+            self.pool_device = "cpu" if gpu is None else f"cuda:{gpu[2]}"     # torch names ROCm devices cuda too
+            self._bind_outputs = gpu and gpu[1]
+            self._device_id = 0 if gpu is None else gpu[2]
 
-    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def run(self, feeds: dict[str, Any]) -> dict[str, Any]:
         try:
-            values = self._session.run(self._output_names, feeds)
+            if self.pool_device is None:
+                outputs = dict(zip(self._output_names, self._session.run(self._output_names, feeds)))
+            else:
+                outputs = self._run_bound(feeds)
         except Exception as e:      # noqa: BLE001 - ONNX Runtime's errors share no base class below Exception
             raise EngineRunError(f"{self._graph}: ONNX Runtime failed to run it ({first_line(e)})") from None
-        return checked_outputs(self, feeds, dict(zip(self._output_names, values)), self._graph)
+        return checked_outputs(self, feeds, outputs, self._graph)
+
+    def _run_bound(self, feeds: dict[str, Any]) -> dict[str, Any]:
+        """One call through an IOBinding: torch tensors (the pools) bound where they are by DLPack, host arrays
+        copied to the device by ONNX Runtime; new rows left on the device where the provider allows."""
+        binding = self._session.io_binding()
+        for name, value in feeds.items():
+            if isinstance(value, np.ndarray):
+                binding.bind_ortvalue_input(name, _host_value(value))
+            else:
+                binding.bind_ortvalue_input(name, ort.OrtValue.from_dlpack(value.contiguous()))
+        for name in self._output_names:
+            if self._bind_outputs and name.startswith(NEW_PREFIX):
+                binding.bind_output(name, self._bind_outputs, self._device_id)
+            else:
+                binding.bind_output(name)
+        self._session.run_with_iobinding(binding)
+        outputs = {}
+        for name, value in zip(self._output_names, binding.get_outputs()):
+            if self._bind_outputs and name.startswith(NEW_PREFIX):
+                outputs[name] = self._torch.from_dlpack(value)
+            elif value.data_type() == "tensor(bfloat16)":       # numpy has no bfloat16: through torch's DLPack
+                outputs[name] = to_numpy(self._torch.from_dlpack(value))
+            else:
+                outputs[name] = value.numpy()
+        return outputs
+
+
+def _host_value(array: np.ndarray) -> ort.OrtValue:
+    """An OrtValue of a host array; bf16 (ml_dtypes) through its bits, which ONNX Runtime's numpy bridge lacks."""
+    if array.dtype == BFLOAT16:
+        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array.view(np.uint16), ONNX_BFLOAT16)
+    return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array))
+

@@ -1,12 +1,13 @@
 """TensorRT session over one serialized engine of an engine directory (`{graph}.plan`), on an NVIDIA GPU.
 
-Device buffers are torch CUDA tensors. Per call: the inputs are copied to the device, the tightest optimization
-profile covering their shapes is made active (engine.json lists the profiles in the engine's order), each
-input's shape and address are set, the outputs are allocated at the shapes TensorRT infers from the inputs,
-the engine is enqueued on the session's stream, and the outputs come back as numpy arrays. The caches therefore
-live on the host between calls, as with ONNX Runtime; the scheduler's commit-by-length works unchanged. Engines
-run in fp32 or fp16: the scheduler keeps caches in numpy, which has no bfloat16, so a bf16 engine builds but does
-not run here yet (device-resident caches will lift both limits).
+Device buffers are torch CUDA tensors. The cache pools live on the session's GPU (`pool_device`): the scheduler
+allocates them there (runtime/pool_arrays.py) and each call gives TensorRT their addresses, so they never cross
+PCIe; the rows a call produces (`new.*`) stay on the device, where the pool writes them. Per call: the small host
+inputs (ids, positions, slots, block table, the draft's streams) are copied to the device, the tightest
+optimization profile covering their shapes is made active (engine.json lists the profiles in the engine's
+order), each input's shape and address are set, the outputs are allocated at the shapes TensorRT infers from
+the inputs, the engine is enqueued on the session's stream, and the outputs other than new rows come back as
+numpy arrays (bf16 as ml_dtypes' bfloat16), so fp32, fp16 and bf16 engines all run.
 
 The attention, indexer and compressor plugins run their ahead-of-time kernels (the builder marks those nodes
 `aot=1`); the routed experts' plugin runs just in time (its kernels' torch launcher), so loading an engine with a
@@ -24,6 +25,8 @@ from ..backends import TensorRTCompiled
 from ..engine import EngineManifest
 from ..engine_folder import EngineFolder, EngineFormatError
 from ..errors import V4EngineError
+from ..layout import NEW_PREFIX
+from ..pool_arrays import to_numpy, to_torch
 from ..profiles import choose_profile
 from . import EngineSession
 
@@ -56,9 +59,6 @@ class TensorRTSession(EngineSession):
     def __init__(self, engine_dir: str | Path, manifest: EngineManifest, graph: str, device: int = 0):
         folder = EngineFolder(engine_dir)
         engine_dir = folder.directory
-        if manifest.dtype == "bf16":
-            raise TensorRTUnavailable(f"{engine_dir}: a bf16 TensorRT engine does not run in this runtime yet (its "
-                                      "caches are numpy arrays, which have no bfloat16); build with --dtype fp16")
         trt, torch = _import_tensorrt()
         compiled = manifest.compiled
         assert isinstance(compiled, TensorRTCompiled)       # EngineManifest.read reads it by the backend's record
@@ -66,6 +66,7 @@ class TensorRTSession(EngineSession):
             raise EngineFormatError(f"{engine_dir}: the TensorRT engines were not built (--onnx-only); rebuild with "
                                     "v4build --backend tensorrt on a machine with TensorRT")
         self._torch, self._device = torch, torch.device("cuda", device)
+        self.pool_device = str(self._device)
         self._profiles = compiled.profiles[graph]
         plan = compiled.plans[graph].plan
         data = folder.read_bytes(plan, f"build.compile.plans.{graph}.plan", "compiled")
@@ -87,7 +88,7 @@ class TensorRTSession(EngineSession):
         storage = torch.empty(max(1, int(np.prod(shape))), dtype=getattr(torch, dtype), device=self._device)
         return storage[: int(np.prod(shape))].view(shape)
 
-    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def run(self, feeds: dict[str, Any]) -> dict[str, Any]:
         torch = self._torch
         index = choose_profile(self._profiles, {n: tuple(a.shape) for n, a in feeds.items()})
         if index != self._active:
@@ -96,11 +97,14 @@ class TensorRTSession(EngineSession):
         with torch.cuda.stream(self._stream):
             held = []
             for spec in self.inputs:
-                array = feeds[spec.name]
-                tensor = self._buffer(array.shape, spec.dtype)
-                tensor.copy_(torch.from_numpy(np.ascontiguousarray(array)))
-                if not self._context.set_input_shape(spec.name, tuple(array.shape)):
-                    raise V4EngineError(f"TensorRT refused shape {tuple(array.shape)} for input '{spec.name}'")
+                value = feeds[spec.name]
+                if isinstance(value, np.ndarray):      # a small host input: copied
+                    tensor = self._buffer(value.shape, spec.dtype)
+                    tensor.copy_(to_torch(np.ascontiguousarray(value)))
+                else:                                  # a pool, on this device: used in place
+                    tensor = value.contiguous()
+                if not self._context.set_input_shape(spec.name, tuple(tensor.shape)):
+                    raise V4EngineError(f"TensorRT refused shape {tuple(tensor.shape)} for input '{spec.name}'")
                 self._context.set_tensor_address(spec.name, tensor.data_ptr())
                 held.append(tensor)
             outputs = {}
@@ -111,4 +115,4 @@ class TensorRTSession(EngineSession):
             if not self._context.execute_async_v3(self._stream.cuda_stream):
                 raise V4EngineError(f"TensorRT failed to run the engine on input_ids {feeds['input_ids'].shape}")
             self._stream.synchronize()
-        return {name: t.cpu().numpy() for name, t in outputs.items()}
+        return {name: t if name.startswith(NEW_PREFIX) else to_numpy(t) for name, t in outputs.items()}

@@ -1,0 +1,93 @@
+"""Where cache pools live: host numpy arrays, or torch tensors on the engine's device.
+
+A CachePool (runtime/cache.py) keeps its arrays in one of these and writes rows only through them, so the same
+pool, commit and prefix-cache code serves both:
+- `HostArrays`: numpy in host memory, read in place by ONNX Runtime's CPU provider. bf16 is ml_dtypes' bfloat16
+  (numpy has none of its own), so a host array of a bf16 engine has its real element type.
+- `DeviceArrays`: torch tensors on one device (a GPU; "cpu" runs the same path on machines without one). The
+  sessions hand them to the engine by address or by DLPack, never by copy, and the rows a call produces stay on
+  the device when the backend leaves them there (TensorRT, ONNX Runtime CUDA): `write` is one `index_put_` per
+  group, on the device. Rows that arrive on the host (a backend that returns them there) move once, just the rows.
+torch is imported only by DeviceArrays: the runtime's CPU path never needs it.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+NUMPY_DTYPES = {"fp32": np.float32, "fp16": np.float16, "bf16": ml_dtypes.bfloat16}   # engine dtype -> numpy
+
+
+def to_numpy(value: Any) -> np.ndarray:
+    """A host numpy array of a torch tensor (any device; bf16 as ml_dtypes' bfloat16) or of a numpy array."""
+    if isinstance(value, np.ndarray):
+        return value
+    tensor = value.detach().cpu()
+    if str(tensor.dtype) == "torch.bfloat16":       # numpy cannot take torch's bfloat16: through its bits
+        import torch
+
+        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return tensor.numpy()
+
+
+def to_torch(array: np.ndarray) -> Any:
+    """A torch CPU tensor sharing a numpy array's memory (bf16 through its bits)."""
+    import torch
+
+    if array.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+class HostArrays:
+    """Pools as numpy arrays in host memory."""
+
+    device = None
+
+    def __init__(self, dtype: str):
+        self.dtype = NUMPY_DTYPES[dtype]
+
+    def zeros(self, shape: tuple[int, ...]) -> np.ndarray:
+        """Allocated zeroed and untouched: a large pool costs memory only as its rows are written."""
+        return np.zeros(shape, self.dtype)
+
+    def write(self, pool: np.ndarray, index: tuple[np.ndarray, ...], rows: Any) -> None:
+        pool[index] = to_numpy(rows)
+
+    def clone(self, value: np.ndarray) -> np.ndarray:
+        return value.copy()
+
+
+class DeviceArrays:
+    """Pools as torch tensors on `device` ("cuda:0", or "cpu" for the same path without a GPU)."""
+
+    def __init__(self, dtype: str, device: str):
+        import torch
+
+        self.torch, self.device = torch, torch.device(device)
+        self.dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+
+    def zeros(self, shape: tuple[int, ...]) -> Any:
+        return self.torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def write(self, pool: Any, index: tuple[np.ndarray, ...], rows: Any) -> None:
+        """pool[index] = rows, on the device: indices are a few integers per row, rows come as they are (already
+        on the device from TensorRT or ONNX Runtime CUDA; from the host otherwise, just the new rows)."""
+        torch = self.torch
+        if isinstance(rows, np.ndarray):
+            rows = to_torch(rows)
+        where = tuple(torch.as_tensor(i, dtype=torch.int64).to(self.device, non_blocking=True) for i in index)
+        pool.index_put_(where, rows.to(self.device, self.dtype, non_blocking=True))
+
+    def clone(self, value: Any) -> Any:
+        return value.clone()
+
+
+PoolArrays = HostArrays | DeviceArrays
+
+
+def pool_arrays(dtype: str, device: str | None) -> PoolArrays:
+    """Host numpy arrays when `device` is None, torch tensors on it otherwise."""
+    return HostArrays(dtype) if device is None else DeviceArrays(dtype, device)

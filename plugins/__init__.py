@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import onnx
 
-from . import attention, compressor, indexer, moe
+from . import attention, compressor, indexer, moe, paging
 from .common import DOMAIN, OPSET
 from .sinkhorn import sinkhorn_function
 
@@ -24,7 +24,7 @@ AOT_OPS: tuple[str, ...] = tuple(name for name in PLUGIN_OPS if name not in {f.n
 
 def onnx_functions() -> list[onnx.FunctionProto]:
     """Every op's lowering and the helpers they call, ready for `ModelProto.functions`."""
-    out = [sinkhorn_function()]
+    out = [sinkhorn_function(), *(fn.to_function_proto() for fn in paging.HELPER_FUNCTIONS)]
     for module in _MODULES:
         for fn in module.PLUGIN_FUNCTIONS:
             proto = fn.to_function_proto()

@@ -7,6 +7,8 @@ logit per head that appears only in the softmax denominator.
 
 Shapes: q [B,S,H,d]; q_pos [B,S]; kv [B,T,d] window keys with kv_pos [B,T] (-1 = empty slot);
 rows [B,R,d] compressed rows with row_ids [B,R] (window index, -1 = empty slot); topk_idx [B,S,k].
+The rows may also be `PagedRows` (plugins/paging.py: a block pool through a table, then new rows): the op is then
+its paged form (HcaAttentionPaged, CsaAttentionPaged), the same computation on the same logical rows.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 from onnxscript import BOOL, FLOAT, INT64, script
 
 from .common import NEG_INF, V4, exporting, op, symbolic
+from .paging import PagedRows, PagedRowsDense
 
 
 # --------------------------------------------------------------------------- PyTorch reference
@@ -84,9 +87,12 @@ def sliding_attention(q: torch.Tensor, q_pos: torch.Tensor, kv: torch.Tensor, kv
 
 
 def hca_attention(q: torch.Tensor, q_pos: torch.Tensor, kv: torch.Tensor, kv_pos: torch.Tensor,
-                  rows: torch.Tensor, row_ids: torch.Tensor, sink: torch.Tensor, *, window: int, ratio: int,
-                  scale: float) -> torch.Tensor:
+                  rows: torch.Tensor | PagedRows, row_ids: torch.Tensor, sink: torch.Tensor, *, window: int,
+                  ratio: int, scale: float) -> torch.Tensor:
     """v4::HcaAttention: the window plus every compressed row w with w < (t+1) // ratio."""
+    if isinstance(rows, PagedRows):
+        return hca_attention_paged(q, q_pos, kv, kv_pos, rows.pool, rows.block_table, rows.new, row_ids, sink,
+                                   window=window, ratio=ratio, scale=scale)
     if exporting():
         return symbolic("HcaAttention", [q, q_pos, kv, kv_pos, rows, row_ids, sink],
                         dict(window=window, ratio=ratio, scale=scale), [q.dtype], [q.shape])[0]
@@ -94,12 +100,37 @@ def hca_attention(q: torch.Tensor, q_pos: torch.Tensor, kv: torch.Tensor, kv_pos
 
 
 def csa_attention(q: torch.Tensor, q_pos: torch.Tensor, kv: torch.Tensor, kv_pos: torch.Tensor,
-                  rows: torch.Tensor, topk_idx: torch.Tensor, sink: torch.Tensor, *, window: int,
+                  rows: torch.Tensor | PagedRows, topk_idx: torch.Tensor, sink: torch.Tensor, *, window: int,
                   scale: float) -> torch.Tensor:
     """v4::CsaAttention: the window plus the compressed rows the indexer picked (topk_idx [B,S,k], -1 = none)."""
+    if isinstance(rows, PagedRows):
+        return csa_attention_paged(q, q_pos, kv, kv_pos, rows.pool, rows.block_table, rows.new, topk_idx, sink,
+                                   window=window, scale=scale)
     if exporting():
         return symbolic("CsaAttention", [q, q_pos, kv, kv_pos, rows, topk_idx, sink],
                         dict(window=window, scale=scale), [q.dtype], [q.shape])[0]
+    return _csa_reference(q, q_pos, kv, kv_pos, rows, topk_idx, sink, window, scale)
+
+
+def hca_attention_paged(q: torch.Tensor, q_pos: torch.Tensor, kv: torch.Tensor, kv_pos: torch.Tensor,
+                        pool: torch.Tensor, block_table: torch.Tensor, new_rows: torch.Tensor, row_ids: torch.Tensor,
+                        sink: torch.Tensor, *, window: int, ratio: int, scale: float) -> torch.Tensor:
+    """v4::HcaAttentionPaged: HcaAttention on PagedRows(pool, block_table, new_rows)."""
+    if exporting():
+        return symbolic("HcaAttentionPaged", [q, q_pos, kv, kv_pos, pool, block_table, new_rows, row_ids, sink],
+                        dict(window=window, ratio=ratio, scale=scale), [q.dtype], [q.shape])[0]
+    rows = PagedRows(pool, block_table, new_rows).dense()
+    return _hca_reference(q, q_pos, kv, kv_pos, rows, row_ids, sink, window, ratio, scale)
+
+
+def csa_attention_paged(q: torch.Tensor, q_pos: torch.Tensor, kv: torch.Tensor, kv_pos: torch.Tensor,
+                        pool: torch.Tensor, block_table: torch.Tensor, new_rows: torch.Tensor, topk_idx: torch.Tensor,
+                        sink: torch.Tensor, *, window: int, scale: float) -> torch.Tensor:
+    """v4::CsaAttentionPaged: CsaAttention on PagedRows(pool, block_table, new_rows)."""
+    if exporting():
+        return symbolic("CsaAttentionPaged", [q, q_pos, kv, kv_pos, pool, block_table, new_rows, topk_idx, sink],
+                        dict(window=window, scale=scale), [q.dtype], [q.shape])[0]
+    rows = PagedRows(pool, block_table, new_rows).dense()
     return _csa_reference(q, q_pos, kv, kv_pos, rows, topk_idx, sink, window, scale)
 
 
@@ -163,5 +194,19 @@ def CsaAttention(q: FLOAT, q_pos: INT64, kv: FLOAT, kv_pos: INT64, rows: FLOAT, 
     return AttendWithSink(q, keys, visible, sink, scale=scale)
 
 
-PLUGIN_FUNCTIONS = (SlidingAttention, HcaAttention, CsaAttention)
+@script(V4, default_opset=op)
+def HcaAttentionPaged(q: FLOAT, q_pos: INT64, kv: FLOAT, kv_pos: INT64, pool: FLOAT, block_table: INT64,
+                      new_rows: FLOAT, row_ids: INT64, sink: FLOAT, window: int, ratio: int, scale: float) -> FLOAT:
+    rows = PagedRowsDense(pool, block_table, new_rows)
+    return HcaAttention(q, q_pos, kv, kv_pos, rows, row_ids, sink, window=window, ratio=ratio, scale=scale)
+
+
+@script(V4, default_opset=op)
+def CsaAttentionPaged(q: FLOAT, q_pos: INT64, kv: FLOAT, kv_pos: INT64, pool: FLOAT, block_table: INT64,
+                      new_rows: FLOAT, topk_idx: INT64, sink: FLOAT, window: int, scale: float) -> FLOAT:
+    rows = PagedRowsDense(pool, block_table, new_rows)
+    return CsaAttention(q, q_pos, kv, kv_pos, rows, topk_idx, sink, window=window, scale=scale)
+
+
+PLUGIN_FUNCTIONS = (SlidingAttention, HcaAttention, CsaAttention, HcaAttentionPaged, CsaAttentionPaged)
 HELPER_FUNCTIONS = (WindowVisible, RowsVisible, AttendWithSink)

@@ -14,6 +14,7 @@ from onnxscript import FLOAT, INT64, script
 
 from .attention import RowsVisible, rows_visible
 from .common import NEG_INF, V4, exporting, op, symbolic
+from .paging import PagedRows, PagedRowsDense
 
 
 def visible_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_ids: torch.Tensor,
@@ -35,13 +36,29 @@ def _reference(q, weights, keys, key_ids, q_pos, topk, ratio, scale):
     return torch.where(torch.gather(visible, -1, order), order, torch.full_like(order, -1))
 
 
-def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_ids: torch.Tensor,
+def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor | PagedRows, key_ids: torch.Tensor,
                  q_pos: torch.Tensor, *, topk: int, ratio: int, scale: float) -> torch.Tensor:
-    """v4::IndexerTopK. q [B,S,h,dI]; weights [B,S,h]; keys [B,R,dI]; key_ids [B,R]; q_pos [B,S] -> [B,S,k] int64."""
+    """v4::IndexerTopK. q [B,S,h,dI]; weights [B,S,h]; keys [B,R,dI]; key_ids [B,R]; q_pos [B,S] -> [B,S,k] int64.
+    Keys as PagedRows (plugins/paging.py): v4::IndexerTopKPaged, the same picks."""
+    if isinstance(keys, PagedRows):
+        return indexer_topk_paged(q, weights, keys.pool, keys.block_table, keys.new, key_ids, q_pos, topk=topk,
+                                  ratio=ratio, scale=scale)
     if exporting():
         k = torch.sym_min(topk, keys.shape[1])
         return symbolic("IndexerTopK", [q, weights, keys, key_ids, q_pos], dict(topk=topk, ratio=ratio, scale=scale),
                         [torch.int64], [(q.shape[0], q.shape[1], k)])[0]
+    return _reference(q, weights, keys, key_ids, q_pos, topk, ratio, scale)
+
+
+def indexer_topk_paged(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor, block_table: torch.Tensor,
+                       new_keys: torch.Tensor, key_ids: torch.Tensor, q_pos: torch.Tensor, *, topk: int, ratio: int,
+                       scale: float) -> torch.Tensor:
+    """v4::IndexerTopKPaged: IndexerTopK on PagedRows(pool, block_table, new_keys)."""
+    if exporting():
+        k = torch.sym_min(topk, key_ids.shape[1])
+        return symbolic("IndexerTopKPaged", [q, weights, pool, block_table, new_keys, key_ids, q_pos],
+                        dict(topk=topk, ratio=ratio, scale=scale), [torch.int64], [(q.shape[0], q.shape[1], k)])[0]
+    keys = PagedRows(pool, block_table, new_keys).dense()
     return _reference(q, weights, keys, key_ids, q_pos, topk, ratio, scale)
 
 
@@ -60,5 +77,12 @@ def IndexerTopK(q: FLOAT, weights: FLOAT, keys: FLOAT, key_ids: INT64, q_pos: IN
     return op.Where(op.GatherElements(visible, order, axis=-1), order, op.CastLike(-1, order))
 
 
-PLUGIN_FUNCTIONS = (IndexerTopK,)
+@script(V4, default_opset=op)
+def IndexerTopKPaged(q: FLOAT, weights: FLOAT, pool: FLOAT, block_table: INT64, new_keys: FLOAT, key_ids: INT64,
+                     q_pos: INT64, topk: int, ratio: int, scale: float) -> INT64:
+    keys = PagedRowsDense(pool, block_table, new_keys)
+    return IndexerTopK(q, weights, keys, key_ids, q_pos, topk=topk, ratio=ratio, scale=scale)
+
+
+PLUGIN_FUNCTIONS = (IndexerTopK, IndexerTopKPaged)
 HELPER_FUNCTIONS = ()

@@ -193,7 +193,8 @@ def plans_for(op: str, z: SimpleNamespace, inputs: dict[str, torch.Tensor], spli
     if op in ATTENTION:
         q, kv = inputs["q"], inputs["kv"]
         dims = dict(zip("BSHd", q.shape), T=kv.shape[1])
-        for name, dim, axis in (("rows", "R", 1), ("row_ids", "R", 1), ("block_table", "W", 1), ("topk_idx", "k", 2)):
+        for name, dim, axis in (("rows", "R", 1), ("row_ids", "R", 1), ("block_table", "W", 1), ("new_rows", "N", 1),
+                                ("topk_idx", "k", 2)):
             if name in inputs:
                 dims[dim] = inputs[name].shape[axis]
         return plan(dims, q.dtype, splits=splits, **attrs)
@@ -201,7 +202,7 @@ def plans_for(op: str, z: SimpleNamespace, inputs: dict[str, torch.Tensor], spli
         q, weights = inputs["q"], inputs["weights"]
         dims = dict(zip(("B", "S", "h", "dI"), q.shape), R=inputs["key_ids"].shape[1])
         if "block_table" in inputs:
-            dims["W"] = inputs["block_table"].shape[1]
+            dims |= dict(W=inputs["block_table"].shape[1], N=inputs["new_keys"].shape[1])
         return [plan(dims, q.dtype, weights_dtype=weights.dtype, **attrs)]
     if op in MOE:
         x, w1 = inputs["x"], inputs["w1"]
@@ -396,11 +397,11 @@ def floor_bytes(op: str, inputs: dict[str, torch.Tensor], result: Any) -> int:
                        for name, t in (*inputs.items(), ("out", result))))
     size = sum(t.numel() * t.element_size() for t in (*inputs.values(), *tensors(result)))
     if op in ("csa_attention", "csa_attention_paged"):
-        rows, picks = inputs.get("rows", inputs.get("pool")), inputs["topk_idx"]
-        B, d = picks.shape[0], rows.shape[-1]
-        stored = rows.numel() // d                                   # every batch row's rows (a pool: its blocks)
+        rows, picks = [inputs[n] for n in ("rows", "pool", "new_rows") if n in inputs], inputs["topk_idx"]
+        B, d = picks.shape[0], rows[0].shape[-1]
+        stored = sum(t.numel() for t in rows) // d                   # every row stored (a pool: all its blocks)
         picked = min(picks.shape[1] * picks.shape[2], stored // B)   # rows a batch row's queries read
-        size -= (stored - B * picked) * d * rows.element_size()
+        size -= (stored - B * picked) * d * rows[0].element_size()
     return size
 
 

@@ -325,28 +325,41 @@ def test_plugin_declarations_agree_with_onnx_shape_inference(graphs):
 def aot_cases() -> dict[str, tuple[str, list[FakeTensorDesc], dict[str, Any], dict]]:
     """op -> (catalog call, input descs, attributes, values of the symbols): catalog.plans('v4-flash') at batch B,
     S new tokens, T window keys, R compressed rows, L compressor tokens, all symbolic; k = Min(topk, R) as the
-    indexer's output declares it."""
+    indexer's output declares it. Paged: a pool of P blocks of the layout's rows, a table of W blocks, N new rows
+    (the catalog's whole blocks of past rows, then the rest)."""
     z = catalog.SIZES["v4-flash"]
-    B, S, T, R, L = (sympy.Symbol(n, integer=True, positive=True) for n in "BSTRL")
+    B, S, T, R, L, P, W, N = (sympy.Symbol(n, integer=True, positive=True) for n in "BSTRLPWN")
 
     def desc(*shape: Any, dtype: str = "BF16") -> FakeTensorDesc:
         return FakeTensorDesc(tuple(SymDim(d) for d in shape), dtype)
 
     window = [desc(B, S, z.H, z.d), desc(B, S, dtype="INT64"), desc(B, T, z.d), desc(B, T, dtype="INT64")]
-    rows, sink = desc(B, R, z.d), desc(z.H, dtype="FP32")
+    sink = desc(z.H, dtype="FP32")
     attention = dict(window=z.window, scale=z.d ** -0.5)
     at = {B: z.B, S: z.S, T: z.window - 1 + z.S}
     compressed = [desc(B, L, z.hca_C), desc(B, L, z.hca_C), desc(B, dtype="INT64")]
+
+    def paged(op: str, width: int, rows: int) -> tuple[list[FakeTensorDesc], dict]:
+        page = catalog.page_rows(z, op)
+        blocks = (rows - 1) // page
+        return [desc(P, page, width), desc(B, W, dtype="INT64"), desc(B, N, width)], \
+            {P: blocks * z.B + 1, W: blocks, N: rows - blocks * page}
+
+    hca_pool, hca_at = paged("hca_attention_paged", z.d, z.hca_rows)
+    csa_pool, csa_at = paged("csa_attention_paged", z.d, z.csa_rows)
+    key_pool, key_at = paged("indexer_topk_paged", z.dI, z.csa_rows)
+    indexer_q = [desc(B, S, z.h, z.dI), desc(B, S, z.h, dtype="FP32")]
     overlapped = [desc(B, L, z.csa_C), desc(B, L, z.csa_C), desc(B, dtype="INT64")]
     return {
         "SlidingAttention": ("sliding_attention", window + [sink], attention, at),
-        "HcaAttention": ("hca_attention", window + [rows, desc(B, R, dtype="INT64"), sink],
-                         attention | dict(ratio=z.hca_ratio), at | {R: z.hca_rows}),
-        "CsaAttention": ("csa_attention", window + [rows, desc(B, S, sympy.Min(z.topk, R), dtype="INT64"), sink],
-                         attention, at | {R: z.csa_rows}),
-        "IndexerTopK": ("indexer_topk", [desc(B, S, z.h, z.dI), desc(B, S, z.h, dtype="FP32"), desc(B, R, z.dI),
-                                         desc(B, R, dtype="INT64"), desc(B, S, dtype="INT64")],
-                        dict(topk=z.topk, ratio=z.csa_ratio, scale=z.dI ** -0.5), {B: z.B, S: z.S, R: z.csa_rows}),
+        "HcaAttentionPaged": ("hca_attention_paged", window + hca_pool + [desc(B, R, dtype="INT64"), sink],
+                              attention | dict(ratio=z.hca_ratio), at | hca_at | {R: z.hca_rows}),
+        "CsaAttentionPaged": ("csa_attention_paged", window + csa_pool + [desc(B, S, z.topk, dtype="INT64"), sink],
+                              attention, at | csa_at),
+        "IndexerTopKPaged": ("indexer_topk_paged", indexer_q + key_pool + [desc(B, R, dtype="INT64"),
+                                                                          desc(B, S, dtype="INT64")],
+                             dict(topk=z.topk, ratio=z.csa_ratio, scale=z.dI ** -0.5),
+                             {B: z.B, S: z.S, R: z.csa_rows} | key_at),
         "HcaCompress": ("hca_compress", compressed, dict(ratio=z.hca_ratio, state_tokens=z.hca_ratio - 1),
                         {B: z.B, L: z.hca_ratio - 1 + z.S}),
         "CsaCompress": ("csa_compress", overlapped, dict(ratio=z.csa_ratio, state_tokens=2 * z.csa_ratio - 1),

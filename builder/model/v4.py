@@ -24,6 +24,7 @@ from v4engine.plugins.attention import csa_attention, hca_attention, sliding_att
 from v4engine.plugins.compressor import csa_compress, hca_compress
 from v4engine.plugins.indexer import indexer_topk
 from v4engine.plugins.moe import routed_experts, swiglu
+from v4engine.plugins.paging import PagedRows, append_rows, row_count
 from v4engine.plugins.sinkhorn import hc_sinkhorn
 from v4engine.runtime.config import CSA, HASH_MOE, HCA, SLIDING, V4Config
 from v4engine.runtime.layout import state_tokens
@@ -43,10 +44,10 @@ class LayerTensors:
     window_kv: torch.Tensor
     compressor_kv: torch.Tensor | None = None
     compressor_gate: torch.Tensor | None = None
-    compressed_kv: torch.Tensor | None = None
+    compressed_kv: torch.Tensor | PagedRows | None = None
     indexer_kv: torch.Tensor | None = None
     indexer_gate: torch.Tensor | None = None
-    index_keys: torch.Tensor | None = None
+    index_keys: torch.Tensor | PagedRows | None = None
 
 
 class LayerCache(LayerTensors):
@@ -54,7 +55,8 @@ class LayerCache(LayerTensors):
 
     window_kv [B, W-1, d]: rows of positions start-W+1 .. start-1 (zeros where the position is < 0).
     compressor_kv/gate [B, P, C]: per-token compressor values/gates of positions start-P .. start-1.
-    compressed_kv [B, R, d]: compressed rows 0..R-1 (rows >= start // m of a shorter row are padding).
+    compressed_kv [B, R, d]: compressed rows 0..R-1 (rows >= start // m of a shorter row are padding); in the
+    exported graphs PagedRows (plugins/paging.py): the runtime's block pool through the block table.
     indexer_kv/gate, index_keys: the same for the CSA indexer's own compressor.
     """
 
@@ -162,9 +164,9 @@ class Compressor(nn.Module):
         return apply_rope(rows, cos, sin), row_ids, kv, gate
 
 
-def past_row_ids(rows: torch.Tensor, positions: torch.Tensor, ratio: int) -> torch.Tensor:
+def past_row_ids(rows: torch.Tensor | PagedRows, positions: torch.Tensor, ratio: int) -> torch.Tensor:
     """Window index of each cached row, or -1 for padding (a row holds start // ratio real rows)."""
-    r = torch.arange(rows.shape[1], device=rows.device).unsqueeze(0)
+    r = torch.arange(row_count(rows), device=positions.device).unsqueeze(0)
     real = r < torch.div(positions[:, :1], ratio, rounding_mode="floor")
     return torch.where(real, r, torch.full_like(r, -1))
 
@@ -184,7 +186,7 @@ class Indexer(nn.Module):
         cfg = self.cfg
         B, S, _ = x.shape
         rows, row_ids, kv, gate = self.compressor(x, positions, cache.indexer_kv, cache.indexer_gate, rotary)
-        keys = torch.cat([cache.index_keys, rows], dim=1)
+        keys = append_rows(cache.index_keys, rows)
         key_ids = torch.cat([past_row_ids(cache.index_keys, positions, self.compressor.ratio), row_ids], dim=1)
         q = apply_rope(self.wq_b(qr).view(B, S, cfg.index_n_heads, cfg.index_head_dim), cos, sin)
         weights = self.weights_proj(x).float() * cfg.index_n_heads ** -0.5
@@ -236,7 +238,7 @@ class Attention(nn.Module):
             rows, row_ids, c_kv, c_gate = self.compressor(x, positions, cache.compressor_kv, cache.compressor_gate,
                                                           self.rotary)
             delta.compressor_kv, delta.compressor_gate, delta.compressed_kv = c_kv, c_gate, rows
-            all_rows = torch.cat([cache.compressed_kv, rows], dim=1)
+            all_rows = append_rows(cache.compressed_kv, rows)
             all_ids = torch.cat([past_row_ids(cache.compressed_kv, positions, m), row_ids], dim=1)
             if self.kind == HCA:
                 o = hca_attention(q, positions, keys, key_pos, all_rows, all_ids, self.attn_sink, window=W, ratio=m,

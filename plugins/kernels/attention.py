@@ -59,7 +59,7 @@ import triton
 import triton.language as tl
 
 from .launch import LaunchPlan, cdiv, interpreting, launch, pointer_type
-from .paging import pool_rows
+from .paging import paged_row_tile
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -130,12 +130,13 @@ def _visible_span(ids_ptr, n, t, KIND: tl.constexpr, WINDOW: tl.constexpr, RATIO
 
 
 @triton.jit
-def _attend_tiles(acc, m, l, q, t, ids_ptr, keys_ptr, table_ptr, n, tile_lo, tile_hi, dims,
+def _attend_tiles(acc, m, l, q, t, ids_ptr, keys_ptr, table_ptr, new_ptr, past, n, tile_lo, tile_hi, dims,
                   KIND: tl.constexpr, WINDOW: tl.constexpr, RATIO: tl.constexpr, QK_SCALE: tl.constexpr,
                   HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, DOT_IN_FP32: tl.constexpr,
                   PAGE_ROWS: tl.constexpr):
     """Online-softmax update of (acc, m, l) with the key tiles [tile_lo, tile_hi) of one section; PAGE_ROWS > 0:
-    keys_ptr is a block pool read through table_ptr (plugins/kernels/paging.py)."""
+    keys_ptr is a block pool read through table_ptr for the first `past` rows, then new_ptr's rows
+    (plugins/kernels/paging.py)."""
     for tile in range(tile_lo, tile_hi):
         idx = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         ids = tl.load(ids_ptr + idx, mask=idx < n, other=-1)
@@ -145,9 +146,10 @@ def _attend_tiles(acc, m, l, q, t, ids_ptr, keys_ptr, table_ptr, n, tile_lo, til
         else:
             key_rows = idx
         if PAGE_ROWS > 0:
-            key_rows = pool_rows(table_ptr, key_rows, seen, PAGE_ROWS)
-        keys = tl.load(_row_tile(keys_ptr, key_rows, dims, HEAD_DIM),
-                       mask=seen[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
+            tile = paged_row_tile(keys_ptr, table_ptr, new_ptr, key_rows, seen, past, dims, PAGE_ROWS, HEAD_DIM)
+        else:
+            tile = _row_tile(keys_ptr, key_rows, dims, HEAD_DIM)
+        keys = tl.load(tile, mask=seen[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
         scores = _dot(q, tl.trans(keys), DOT_IN_FP32) * QK_SCALE            # [BLOCK_H, BLOCK_N], base 2
         scores = tl.where(seen[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
@@ -160,15 +162,15 @@ def _attend_tiles(acc, m, l, q, t, ids_ptr, keys_ptr, table_ptr, n, tile_lo, til
 
 
 @triton.jit
-def _attend(q_ptr, q_pos_ptr, kv_ptr, kv_pos_ptr, rows_ptr, table_ptr, ids_ptr, sink_ptr, S, T, H, R, TABLE_W,
-            NUM_IDS, out_ptr, ROWS: tl.constexpr, WINDOW: tl.constexpr, RATIO: tl.constexpr, SCALE: tl.constexpr,
-            HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-            SPLITS: tl.constexpr, DOT_IN_FP32: tl.constexpr, PAGE_ROWS: tl.constexpr):
+def _attend(q_ptr, q_pos_ptr, kv_ptr, kv_pos_ptr, rows_ptr, table_ptr, new_ptr, ids_ptr, sink_ptr, S, T, H, R,
+            TABLE_W, NEW, NUM_IDS, out_ptr, ROWS: tl.constexpr, WINDOW: tl.constexpr, RATIO: tl.constexpr,
+            SCALE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, DOT_IN_FP32: tl.constexpr, PAGE_ROWS: tl.constexpr):
     """Program (query b·S+s, head block, split): BLOCK_H heads of one query over its share of the keys.
 
     ROWS: NO_ROWS, CLOSED_ROWS (ids = row_ids [B,R], NUM_IDS = R) or PICKED_ROWS (ids = topk_idx [B,S,k],
     NUM_IDS = k). PAGE_ROWS = 0: rows are [B,R,d]; > 0: a block pool [blocks, PAGE_ROWS, d] read through the
-    block table [B, TABLE_W]. SPLITS = 1: out is the output [B,S,H,d]; otherwise the fp32 partials
+    block table [B, TABLE_W], then NEW rows [B, NEW, d] (plugins/kernels/paging.py). SPLITS = 1: out is the output [B,S,H,d]; otherwise the fp32 partials
     [B,S,H,SPLITS,d+2] (accumulator, running max, running sum).
     """
     query = tl.program_id(0).to(tl.int64)
@@ -201,15 +203,17 @@ def _attend(q_ptr, q_pos_ptr, kv_ptr, kv_pos_ptr, rows_ptr, table_ptr, ids_ptr, 
     m = tl.load(sink_ptr + heads, mask=head_ok, other=0.0) * LOG2E
     l = tl.zeros([BLOCK_H], tl.float32) + (split == 0).to(tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    acc, m, l = _attend_tiles(acc, m, l, q, t, kv_pos_ptr + b * T, kv_ptr + b * T * HEAD_DIM, table_ptr, T,
-                              win_lo + tl.minimum(lo, win_tiles), win_lo + tl.minimum(hi, win_tiles), dims,
+    acc, m, l = _attend_tiles(acc, m, l, q, t, kv_pos_ptr + b * T, kv_ptr + b * T * HEAD_DIM, table_ptr, new_ptr,
+                              0, T, win_lo + tl.minimum(lo, win_tiles), win_lo + tl.minimum(hi, win_tiles), dims,
                               WINDOW_KEYS, WINDOW, RATIO, SCALE * LOG2E, HEAD_DIM, BLOCK_N, DOT_IN_FP32, 0)
     if ROWS != NO_ROWS:
         if PAGE_ROWS > 0:
             table_ptr += b * TABLE_W
+            new_ptr += b * NEW * HEAD_DIM
         else:
             rows_ptr += b * R * HEAD_DIM
-        acc, m, l = _attend_tiles(acc, m, l, q, t, ids_ptr, rows_ptr, table_ptr, NUM_IDS,
+        acc, m, l = _attend_tiles(acc, m, l, q, t, ids_ptr, rows_ptr, table_ptr, new_ptr, TABLE_W * PAGE_ROWS,
+                                  NUM_IDS,
                                   rows_lo + tl.maximum(lo - win_tiles, 0), rows_lo + tl.maximum(hi - win_tiles, 0),
                                   dims, ROWS, WINDOW, RATIO, SCALE * LOG2E, HEAD_DIM, BLOCK_N, DOT_IN_FP32,
                                   PAGE_ROWS)
@@ -234,7 +238,7 @@ def sliding_attention_kernel(q, q_pos, kv, kv_pos, sink, S, T, H, out,
                              WINDOW: tl.constexpr, SCALE: tl.constexpr, HEAD_DIM: tl.constexpr,
                              BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                              SPLITS: tl.constexpr, DOT_IN_FP32: tl.constexpr):
-    _attend(q, q_pos, kv, kv_pos, kv, kv_pos, kv_pos, sink, S, T, H, 0, 0, 0, out, NO_ROWS, WINDOW, 1, SCALE,
+    _attend(q, q_pos, kv, kv_pos, kv, kv_pos, kv, kv_pos, sink, S, T, H, 0, 0, 0, 0, out, NO_ROWS, WINDOW, 1, SCALE,
             HEAD_DIM, BLOCK_H, BLOCK_N, BLOCK_D, SPLITS, DOT_IN_FP32, 0)
 
 
@@ -243,8 +247,8 @@ def hca_attention_kernel(q, q_pos, kv, kv_pos, rows, row_ids, sink, S, T, H, R, 
                          WINDOW: tl.constexpr, RATIO: tl.constexpr, SCALE: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                          SPLITS: tl.constexpr, DOT_IN_FP32: tl.constexpr):
-    _attend(q, q_pos, kv, kv_pos, rows, row_ids, row_ids, sink, S, T, H, R, 0, R, out, CLOSED_ROWS, WINDOW, RATIO,
-            SCALE, HEAD_DIM, BLOCK_H, BLOCK_N, BLOCK_D, SPLITS, DOT_IN_FP32, 0)
+    _attend(q, q_pos, kv, kv_pos, rows, row_ids, rows, row_ids, sink, S, T, H, R, 0, 0, R, out, CLOSED_ROWS, WINDOW,
+            RATIO, SCALE, HEAD_DIM, BLOCK_H, BLOCK_N, BLOCK_D, SPLITS, DOT_IN_FP32, 0)
 
 
 @triton.jit(do_not_specialize=["S", "T", "H", "R", "k"])
@@ -252,27 +256,27 @@ def csa_attention_kernel(q, q_pos, kv, kv_pos, rows, topk_idx, sink, S, T, H, R,
                          WINDOW: tl.constexpr, SCALE: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                          SPLITS: tl.constexpr, DOT_IN_FP32: tl.constexpr):
-    _attend(q, q_pos, kv, kv_pos, rows, topk_idx, topk_idx, sink, S, T, H, R, 0, k, out, PICKED_ROWS, WINDOW, 1,
-            SCALE, HEAD_DIM, BLOCK_H, BLOCK_N, BLOCK_D, SPLITS, DOT_IN_FP32, 0)
+    _attend(q, q_pos, kv, kv_pos, rows, topk_idx, rows, topk_idx, sink, S, T, H, R, 0, 0, k, out, PICKED_ROWS,
+            WINDOW, 1, SCALE, HEAD_DIM, BLOCK_H, BLOCK_N, BLOCK_D, SPLITS, DOT_IN_FP32, 0)
 
 
-@triton.jit(do_not_specialize=["S", "T", "H", "R", "W"])
-def hca_attention_paged_kernel(q, q_pos, kv, kv_pos, pool, block_table, row_ids, sink, S, T, H, R, W, out,
-                               WINDOW: tl.constexpr, RATIO: tl.constexpr, SCALE: tl.constexpr,
+@triton.jit(do_not_specialize=["S", "T", "H", "R", "W", "N"])
+def hca_attention_paged_kernel(q, q_pos, kv, kv_pos, pool, block_table, new_rows, row_ids, sink, S, T, H, R, W, N,
+                               out, WINDOW: tl.constexpr, RATIO: tl.constexpr, SCALE: tl.constexpr,
                                HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                                BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, DOT_IN_FP32: tl.constexpr,
                                PAGE_ROWS: tl.constexpr):
-    _attend(q, q_pos, kv, kv_pos, pool, block_table, row_ids, sink, S, T, H, R, W, R, out, CLOSED_ROWS, WINDOW,
-            RATIO, SCALE, HEAD_DIM, BLOCK_H, BLOCK_N, BLOCK_D, SPLITS, DOT_IN_FP32, PAGE_ROWS)
+    _attend(q, q_pos, kv, kv_pos, pool, block_table, new_rows, row_ids, sink, S, T, H, R, W, N, R, out, CLOSED_ROWS,
+            WINDOW, RATIO, SCALE, HEAD_DIM, BLOCK_H, BLOCK_N, BLOCK_D, SPLITS, DOT_IN_FP32, PAGE_ROWS)
 
 
-@triton.jit(do_not_specialize=["S", "T", "H", "W", "k"])
-def csa_attention_paged_kernel(q, q_pos, kv, kv_pos, pool, block_table, topk_idx, sink, S, T, H, W, k, out,
-                               WINDOW: tl.constexpr, SCALE: tl.constexpr, HEAD_DIM: tl.constexpr,
+@triton.jit(do_not_specialize=["S", "T", "H", "W", "N", "k"])
+def csa_attention_paged_kernel(q, q_pos, kv, kv_pos, pool, block_table, new_rows, topk_idx, sink, S, T, H, W, N, k,
+                               out, WINDOW: tl.constexpr, SCALE: tl.constexpr, HEAD_DIM: tl.constexpr,
                                BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                                SPLITS: tl.constexpr, DOT_IN_FP32: tl.constexpr, PAGE_ROWS: tl.constexpr):
-    _attend(q, q_pos, kv, kv_pos, pool, block_table, topk_idx, sink, S, T, H, 0, W, k, out, PICKED_ROWS, WINDOW, 1,
-            SCALE, HEAD_DIM, BLOCK_H, BLOCK_N, BLOCK_D, SPLITS, DOT_IN_FP32, PAGE_ROWS)
+    _attend(q, q_pos, kv, kv_pos, pool, block_table, new_rows, topk_idx, sink, S, T, H, 0, W, N, k, out,
+            PICKED_ROWS, WINDOW, 1, SCALE, HEAD_DIM, BLOCK_H, BLOCK_N, BLOCK_D, SPLITS, DOT_IN_FP32, PAGE_ROWS)
 
 
 @triton.jit
@@ -345,10 +349,11 @@ def plan_hca_attention(dims: Mapping[str, Any], dtype: Any, *, window: int, rati
 
 def plan_hca_attention_paged(dims: Mapping[str, Any], dtype: Any, *, window: int, ratio: int, scale: float,
                              page_rows: int, splits: int = 1) -> list[LaunchPlan]:
-    """HcaAttention over a block pool [blocks, page_rows, d] and its table [B, W]. dims: B, S, H, d, T, R, W."""
-    inputs = _window_inputs(dtype) | {"pool": pointer_type(dtype), "block_table": "*i64", "row_ids": "*i64",
-                                      "sink": "*fp32"}
-    scalars = {n: dims[n] for n in ("S", "T", "H", "R", "W")}
+    """HcaAttention over a block pool [blocks, page_rows, d] read through its table [B, W], then N new rows.
+    dims: B, S, H, d, T, R, W, N."""
+    inputs = _window_inputs(dtype) | {"pool": pointer_type(dtype), "block_table": "*i64",
+                                      "new_rows": pointer_type(dtype), "row_ids": "*i64", "sink": "*fp32"}
+    scalars = {n: dims[n] for n in ("S", "T", "H", "R", "W", "N")}
     return _plans(hca_attention_paged_kernel, "HcaAttentionPaged", inputs, scalars, dims, dtype,
                   dict(WINDOW=window, RATIO=ratio, SCALE=scale, PAGE_ROWS=page_rows), splits)
 
@@ -364,10 +369,11 @@ def plan_csa_attention(dims: Mapping[str, Any], dtype: Any, *, window: int, scal
 
 def plan_csa_attention_paged(dims: Mapping[str, Any], dtype: Any, *, window: int, scale: float, page_rows: int,
                              splits: int = 1) -> list[LaunchPlan]:
-    """CsaAttention over a block pool [blocks, page_rows, d] and its table [B, W]. dims: B, S, H, d, T, W, k."""
-    inputs = _window_inputs(dtype) | {"pool": pointer_type(dtype), "block_table": "*i64", "topk_idx": "*i64",
-                                      "sink": "*fp32"}
-    scalars = {n: dims[n] for n in ("S", "T", "H", "W", "k")}
+    """CsaAttention over a block pool [blocks, page_rows, d] read through its table [B, W], then N new rows.
+    dims: B, S, H, d, T, W, N, k."""
+    inputs = _window_inputs(dtype) | {"pool": pointer_type(dtype), "block_table": "*i64",
+                                      "new_rows": pointer_type(dtype), "topk_idx": "*i64", "sink": "*fp32"}
+    scalars = {n: dims[n] for n in ("S", "T", "H", "W", "N", "k")}
     return _plans(csa_attention_paged_kernel, "CsaAttentionPaged", inputs, scalars, dims, dtype,
                   dict(WINDOW=window, SCALE=scale, PAGE_ROWS=page_rows), splits)
 
@@ -434,19 +440,24 @@ def csa_attention(q: torch.Tensor, q_pos: torch.Tensor, kv: torch.Tensor, kv_pos
 
 
 def hca_attention_paged(q: torch.Tensor, q_pos: torch.Tensor, kv: torch.Tensor, kv_pos: torch.Tensor,
-                        pool: torch.Tensor, block_table: torch.Tensor, row_ids: torch.Tensor, sink: torch.Tensor, *,
-                        window: int, ratio: int, scale: float, splits: int | None = None) -> torch.Tensor:
-    """hca_attention with the rows in a block pool [blocks, page_rows, d]: row r of batch b is row r % page_rows
-    of block block_table[b, r // page_rows] (row_ids [B, R] as for the dense op)."""
-    return _attention(plan_hca_attention_paged, [q, q_pos, kv, kv_pos, pool, block_table, row_ids, sink.float()],
-                      kv.shape[1] + row_ids.shape[1], splits, dict(R=row_ids.shape[1], W=block_table.shape[1]),
+                        pool: torch.Tensor, block_table: torch.Tensor, new_rows: torch.Tensor, row_ids: torch.Tensor,
+                        sink: torch.Tensor, *, window: int, ratio: int, scale: float,
+                        splits: int | None = None) -> torch.Tensor:
+    """hca_attention whose rows are the W * page_rows a block table [B, W] addresses in a pool [blocks, page_rows,
+    d], then new_rows [B, N, d] (plugins/kernels/paging.py; row_ids [B, R] as for the dense op)."""
+    return _attention(plan_hca_attention_paged,
+                      [q, q_pos, kv, kv_pos, pool, block_table, new_rows, row_ids, sink.float()],
+                      kv.shape[1] + row_ids.shape[1], splits,
+                      dict(R=row_ids.shape[1], W=block_table.shape[1], N=new_rows.shape[1]),
                       window=window, ratio=ratio, scale=scale, page_rows=pool.shape[1])
 
 
 def csa_attention_paged(q: torch.Tensor, q_pos: torch.Tensor, kv: torch.Tensor, kv_pos: torch.Tensor,
-                        pool: torch.Tensor, block_table: torch.Tensor, topk_idx: torch.Tensor, sink: torch.Tensor, *,
-                        window: int, scale: float, splits: int | None = None) -> torch.Tensor:
-    """csa_attention with the rows in a block pool [blocks, page_rows, d] read through block_table [B, W]."""
-    return _attention(plan_csa_attention_paged, [q, q_pos, kv, kv_pos, pool, block_table, topk_idx, sink.float()],
-                      kv.shape[1] + topk_idx.shape[2], splits, dict(W=block_table.shape[1], k=topk_idx.shape[2]),
+                        pool: torch.Tensor, block_table: torch.Tensor, new_rows: torch.Tensor, topk_idx: torch.Tensor,
+                        sink: torch.Tensor, *, window: int, scale: float, splits: int | None = None) -> torch.Tensor:
+    """csa_attention whose rows are a block pool's through a table, then new_rows (as hca_attention_paged)."""
+    return _attention(plan_csa_attention_paged,
+                      [q, q_pos, kv, kv_pos, pool, block_table, new_rows, topk_idx, sink.float()],
+                      kv.shape[1] + topk_idx.shape[2], splits,
+                      dict(W=block_table.shape[1], N=new_rows.shape[1], k=topk_idx.shape[2]),
                       window=window, scale=scale, page_rows=pool.shape[1])

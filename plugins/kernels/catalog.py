@@ -47,9 +47,10 @@ def plans(size: str) -> dict[str, list[LaunchPlan]]:
     attention = dict(B=z.B, S=z.S, H=z.H, d=z.d, T=z.window - 1 + z.S)    # keys: the window's W-1 cached, S new
     attrs = dict(window=z.window, scale=z.d ** -0.5)
     hca_state, csa_state = open_window_tokens(HCA, z.hca_ratio), open_window_tokens(CSA, z.csa_ratio)
-    # paged: rows per block as the runtime's layout makes them, and a table as wide as the rows need
+    # paged: rows per block as the runtime's layout makes them; whole blocks of past rows, then the new ones
     hca_page, csa_page = page_rows(z, "hca_attention_paged"), page_rows(z, "csa_attention_paged")
-    hca_table, csa_table = -(-z.hca_rows // hca_page), -(-z.csa_rows // csa_page)
+    hca_table, csa_table = (z.hca_rows - 1) // hca_page, (z.csa_rows - 1) // csa_page
+    hca_new, csa_new = z.hca_rows - hca_table * hca_page, z.csa_rows - csa_table * csa_page
     calls = {}
     for n, suffix in ((1, ""), (z.splits, f"_split{z.splits}")):
         calls |= {
@@ -59,10 +60,10 @@ def plans(size: str) -> dict[str, list[LaunchPlan]]:
             f"csa_attention{suffix}": plan_csa_attention(attention | dict(R=z.csa_rows, k=z.topk), z.dtype, splits=n,
                                                          **attrs),
             f"hca_attention_paged{suffix}": plan_hca_attention_paged(
-                attention | dict(R=z.hca_rows, W=hca_table), z.dtype, ratio=z.hca_ratio, page_rows=hca_page,
+                attention | dict(R=z.hca_rows, W=hca_table, N=hca_new), z.dtype, ratio=z.hca_ratio, page_rows=hca_page,
                 splits=n, **attrs),
             f"csa_attention_paged{suffix}": plan_csa_attention_paged(
-                attention | dict(W=csa_table, k=z.topk), z.dtype, page_rows=csa_page, splits=n, **attrs)}
+                attention | dict(W=csa_table, N=csa_new, k=z.topk), z.dtype, page_rows=csa_page, splits=n, **attrs)}
     experts = dict(experts=z.E, dim=z.D, inter=z.inter, k=z.k, limit=10.0)
     for weight_format in ("float", "fp8", "mxfp4"):       # V4-Flash's experts are MXFP4; Flash-Base's FP8
         calls[f"routed_experts_{weight_format}"] = plan_routed_experts({"T": z.B * z.S}, z.dtype,
@@ -70,7 +71,8 @@ def plans(size: str) -> dict[str, list[LaunchPlan]]:
     return calls | {   # compressors see the state_tokens kept (CSA's windows overlap), then the S new tokens
         "indexer_topk": [plan_indexer_topk(dict(B=z.B, S=z.S, h=z.h, dI=z.dI, R=z.csa_rows), z.dtype, topk=z.topk,
                                            ratio=z.csa_ratio, scale=z.dI ** -0.5, weights_dtype=torch.float32)],
-        "indexer_topk_paged": [plan_indexer_topk(dict(B=z.B, S=z.S, h=z.h, dI=z.dI, R=z.csa_rows, W=csa_table),
+        "indexer_topk_paged": [plan_indexer_topk(dict(B=z.B, S=z.S, h=z.h, dI=z.dI, R=z.csa_rows, W=csa_table,
+                                                      N=csa_new),
                                                  z.dtype, topk=z.topk, ratio=z.csa_ratio, scale=z.dI ** -0.5,
                                                  weights_dtype=torch.float32, page_rows=csa_page)],
         "hca_compress": [plan_hca_compress(dict(B=z.B, L=hca_state + z.S, C=z.hca_C), z.dtype, ratio=z.hca_ratio,

@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from .launch import LaunchPlan, interpreting, launch, pointer_type
-from .paging import pool_rows
+from .paging import paged_row_tile
 
 EMPTY = tl.constexpr(-(2 ** 63))        # packed key of an invisible row: below every visible one
 SLOT_MASK = tl.constexpr(2 ** 31 - 1)   # the low 32 bits hold r ^ SLOT_MASK = 2**31-1-r: bit 31 is 0
@@ -72,21 +72,20 @@ def _unpack(packed):
 
 
 @triton.jit
-def _score_block(query, head_w, keys, table, key_ids, b, R, r0, limit,
+def _score_block(query, head_w, keys, table, new, past, key_ids, b, R, r0, limit,
                  SCALE: tl.constexpr, DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
                  FP32_DOT: tl.constexpr, PAGE_ROWS: tl.constexpr):
     """Packed keys of rows r0 .. r0+BLOCK_R-1 for one query: query [BLOCK_H, BLOCK_D] as loaded,
     head_w [BLOCK_H] fp32 (0 on padded heads). PAGE_ROWS > 0: keys is a block pool read through `table`, this
-    sequence's row of the block table (plugins/kernels/paging.py)."""
+    sequence's row of the block table, for its first `past` rows, then `new`'s (plugins/kernels/paging.py)."""
     rows = r0 + tl.arange(0, BLOCK_R)
     dims = tl.arange(0, BLOCK_D)
     in_range = rows < R
     if PAGE_ROWS > 0:
-        key_rows = pool_rows(table, rows, in_range, PAGE_ROWS)
+        tile = paged_row_tile(keys, table, new, rows, in_range, past, dims, PAGE_ROWS, DIM)
     else:
-        key_rows = b * R + rows
-    key_tile = tl.load(keys + key_rows[:, None] * DIM + dims[None, :],
-                       mask=in_range[:, None] & (dims[None, :] < DIM), other=0.0)
+        tile = keys + (b * R + rows[:, None]) * DIM + dims[None, :]
+    key_tile = tl.load(tile, mask=in_range[:, None] & (dims[None, :] < DIM), other=0.0)
     if FP32_DOT:
         dots = tl.dot(query.to(tl.float32), tl.trans(key_tile.to(tl.float32)), input_precision="ieee")
     else:
@@ -101,26 +100,27 @@ def _indexer_topk_kernel(q, weights, keys, key_ids, q_pos, S, R, idx,
                          TOPK: tl.constexpr, RATIO: tl.constexpr, SCALE: tl.constexpr,
                          HEADS: tl.constexpr, DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_R: tl.constexpr, BUFFER: tl.constexpr, FP32_DOT: tl.constexpr):
-    _indexer_topk(q, weights, keys, key_ids, key_ids, q_pos, S, R, 0, idx, TOPK, RATIO, SCALE, HEADS, DIM, BLOCK_H,
-                  BLOCK_D, BLOCK_R, BUFFER, FP32_DOT, 0)
+    _indexer_topk(q, weights, keys, key_ids, keys, key_ids, q_pos, S, R, 0, 0, idx, TOPK, RATIO, SCALE, HEADS, DIM,
+                  BLOCK_H, BLOCK_D, BLOCK_R, BUFFER, FP32_DOT, 0)
 
 
 @triton.jit
-def _indexer_topk_paged_kernel(q, weights, pool, block_table, key_ids, q_pos, S, R, W, idx,
+def _indexer_topk_paged_kernel(q, weights, pool, block_table, new_keys, key_ids, q_pos, S, R, W, N, idx,
                                TOPK: tl.constexpr, RATIO: tl.constexpr, SCALE: tl.constexpr,
                                HEADS: tl.constexpr, DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
                                BLOCK_R: tl.constexpr, BUFFER: tl.constexpr, FP32_DOT: tl.constexpr,
                                PAGE_ROWS: tl.constexpr):
-    _indexer_topk(q, weights, pool, block_table, key_ids, q_pos, S, R, W, idx, TOPK, RATIO, SCALE, HEADS, DIM,
-                  BLOCK_H, BLOCK_D, BLOCK_R, BUFFER, FP32_DOT, PAGE_ROWS)
+    _indexer_topk(q, weights, pool, block_table, new_keys, key_ids, q_pos, S, R, W, N, idx, TOPK, RATIO, SCALE, HEADS,
+                  DIM, BLOCK_H, BLOCK_D, BLOCK_R, BUFFER, FP32_DOT, PAGE_ROWS)
 
 
 @triton.jit
-def _indexer_topk(q, weights, keys, block_table, key_ids, q_pos, S, R, W, idx,
+def _indexer_topk(q, weights, keys, block_table, new_keys, key_ids, q_pos, S, R, W, N, idx,
                   TOPK: tl.constexpr, RATIO: tl.constexpr, SCALE: tl.constexpr,
                   HEADS: tl.constexpr, DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_R: tl.constexpr, BUFFER: tl.constexpr, FP32_DOT: tl.constexpr, PAGE_ROWS: tl.constexpr):
-    """Program (s, b): query b·S+s's top k (PAGE_ROWS > 0: keys a block pool, block_table [B, W])."""
+    """Program (s, b): query b·S+s's top k (PAGE_ROWS > 0: keys a block pool through block_table [B, W], then
+    N new keys per batch row)."""
     s = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     t = b * S + s                                                          # the query's flat index
@@ -137,8 +137,9 @@ def _indexer_topk(q, weights, keys, block_table, key_ids, q_pos, S, R, W, idx,
     for r0 in range(0, R, BUFFER):
         cand = tl.full([SUB, BLOCK_R], EMPTY, tl.int64)
         for j in range(SUB):
-            block = _score_block(query, head_w, keys, block_table + b * W, key_ids, b, R, r0 + j * BLOCK_R, limit,
-                                 SCALE, DIM, BLOCK_D, BLOCK_R, FP32_DOT, PAGE_ROWS)
+            block = _score_block(query, head_w, keys, block_table + b * W, new_keys + b * N * DIM, W * PAGE_ROWS,
+                                 key_ids, b, R, r0 + j * BLOCK_R, limit, SCALE, DIM, BLOCK_D, BLOCK_R, FP32_DOT,
+                                 PAGE_ROWS)
             cand = tl.where(sub == j, block[None, :], cand)             # row j of the candidates
         cand = tl.sort(tl.reshape(cand, [BUFFER]))                         # ascending
         best = tl.bitonic_merge(tl.maximum(best, cand), descending=True)   # top BUFFER of the union
@@ -156,11 +157,12 @@ def plan_indexer_topk(dims: dict[str, Any], dtype: Any, *, topk: int, ratio: int
                       weights_dtype: Any = None, page_rows: int = 0) -> LaunchPlan:
     """IndexerTopK for dims B, S, h, dI, R (h and dI must be ints); dtype of q and keys, weights_dtype of
     weights (default: dtype). page_rows > 0: the paged kernel, keys a block pool [blocks, page_rows, dI] read
-    through a block table [B, W] (dims W too)."""
+    through a block table [B, W], then N new keys (dims W and N too)."""
     buffer = _pow2(topk, 16)
     fp32 = pointer_type(dtype) == "*fp32"
     block_r = min(buffer, 16 if fp32 else 32)          # keeps the dot's registers from spilling
-    keys = {"pool": pointer_type(dtype), "block_table": "*i64"} if page_rows else {"keys": pointer_type(dtype)}
+    keys = {"pool": pointer_type(dtype), "block_table": "*i64", "new_keys": pointer_type(dtype)} if page_rows \
+        else {"keys": pointer_type(dtype)}
     constexprs = dict(TOPK=topk, RATIO=ratio, SCALE=float(scale), HEADS=dims["h"], DIM=dims["dI"],
                       BLOCK_H=_pow2(dims["h"], 16), BLOCK_D=_pow2(dims["dI"], 16),
                       BLOCK_R=block_r, BUFFER=buffer, FP32_DOT=fp32)
@@ -168,7 +170,7 @@ def plan_indexer_topk(dims: dict[str, Any], dtype: Any, *, topk: int, ratio: int
         kernel=_indexer_topk_paged_kernel if page_rows else _indexer_topk_kernel,
         inputs={"q": pointer_type(dtype), "weights": pointer_type(weights_dtype or dtype), **keys,
                 "key_ids": "*i64", "q_pos": "*i64"},
-        scalars={"S": dims["S"], "R": dims["R"]} | ({"W": dims["W"]} if page_rows else {}),
+        scalars={"S": dims["S"], "R": dims["R"]} | ({"W": dims["W"], "N": dims["N"]} if page_rows else {}),
         outputs={"idx": "*i64"},
         constexprs=constexprs | ({"PAGE_ROWS": page_rows} if page_rows else {}),
         grid=(dims["S"], dims["B"], 1),
@@ -184,12 +186,13 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key
 
 
 def indexer_topk_paged(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor, block_table: torch.Tensor,
-                       key_ids: torch.Tensor, q_pos: torch.Tensor, *, topk: int, ratio: int, scale: float
-                       ) -> torch.Tensor:
-    """indexer_topk with the keys in a block pool [blocks, page_rows, dI]: slot r of batch b is row r % page_rows
-    of block block_table[b, r // page_rows] (key_ids [B, R] as for the dense op)."""
-    return _indexer(q, weights, [pool.to(q.dtype).contiguous(), block_table.contiguous()], key_ids, q_pos,
-                    dict(W=block_table.shape[1], page_rows=pool.shape[1]), topk, ratio, scale)
+                       new_keys: torch.Tensor, key_ids: torch.Tensor, q_pos: torch.Tensor, *, topk: int, ratio: int,
+                       scale: float) -> torch.Tensor:
+    """indexer_topk whose keys are the W * page_rows a block table [B, W] addresses in a pool [blocks, page_rows,
+    dI], then new_keys [B, N, dI] (plugins/kernels/paging.py; key_ids [B, R] as for the dense op)."""
+    keys = [pool.to(q.dtype).contiguous(), block_table.contiguous(), new_keys.to(q.dtype).contiguous()]
+    return _indexer(q, weights, keys, key_ids, q_pos,
+                    dict(W=block_table.shape[1], N=new_keys.shape[1], page_rows=pool.shape[1]), topk, ratio, scale)
 
 
 def _indexer(q: torch.Tensor, weights: torch.Tensor, keys: list[torch.Tensor], key_ids: torch.Tensor,

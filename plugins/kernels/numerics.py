@@ -38,7 +38,7 @@ from . import compressor as compressor_kernels
 from . import indexer as indexer_kernels
 from . import moe as moe_kernels
 from .catalog import page_rows
-from .paging import page, unpage
+from .paging import split_paged, unpage
 
 # paged op -> the dense op it computes, its rows or keys in a block pool read through a block table
 PAGED = {"hca_attention_paged": "hca_attention", "csa_attention_paged": "csa_attention",
@@ -159,20 +159,22 @@ def _csa_picks(q_pos: torch.Tensor, z: SimpleNamespace, draw: Draw, holes: bool)
     return picks.masked_fill(empty, -1)
 
 
-_PAGED_NAMES = {"hca_attention_paged": "rows", "csa_attention_paged": "rows", "indexer_topk_paged": "keys"}
+# a paged op's dense input -> the name of its new rows
+_PAGED_NAMES = {"hca_attention_paged": ("rows", "new_rows"), "csa_attention_paged": ("rows", "new_rows"),
+                "indexer_topk_paged": ("keys", "new_keys")}
 
 
 def dense_inputs(op: str, values: Any) -> dict[str, torch.Tensor]:
-    """A paged op's inputs (make_inputs' order, as a dict or positionally) as its dense op's: the rows or keys
-    gathered through the block table (rows past R, padding and the spare block, dropped)."""
+    """A paged op's inputs (make_inputs' order, as a dict or positionally) as its dense op's: the rows or keys its
+    block table addresses, then its new ones."""
     names = list(inspect.signature(kernel(op)).parameters)[: len(values)]
     paged = dict(zip(names, values.values() if isinstance(values, dict) else values))
-    R = paged["row_ids" if "row_ids" in paged else "key_ids"].shape[1] if op != "csa_attention_paged" else None
+    dense_name, new_name = _PAGED_NAMES[op]
     dense = {}
     for name, value in paged.items():
         if name == "pool":
-            dense[_PAGED_NAMES[op]] = unpage(value, paged["block_table"], R)
-        elif name != "block_table":
+            dense[dense_name] = torch.cat([unpage(value, paged["block_table"]), paged[new_name]], dim=1)
+        elif name not in ("block_table", new_name):
             dense[name] = value
     return dense
 
@@ -181,13 +183,15 @@ def make_inputs(op: str, z: SimpleNamespace, q_pos: torch.Tensor, draw: Draw, *,
                 integers: bool = False) -> dict[str, torch.Tensor]:
     """The op's inputs at size z, named and ordered as its reference's parameters. holes: empty (-1) slots as in a
     cache being filled; integers: the indexer's exact-sum inputs (small integers, weights multiples of 1/2).
-    A paged op: its dense op's inputs with the rows (keys) paged into a pool of shuffled blocks and a table."""
+    A paged op: its dense op's inputs with the rows (keys) in a pool of shuffled blocks, a table and new rows."""
     B, S = q_pos.shape
     if op in PAGED:
         dense, inputs = make_inputs(PAGED[op], z, q_pos, draw, holes=holes, integers=integers), {}
+        dense_name, new_name = _PAGED_NAMES[op]
         for name, value in dense.items():
-            if name == _PAGED_NAMES[op]:
-                inputs["pool"], inputs["block_table"] = page(value, page_rows(z, op), torch.Generator().manual_seed(5))
+            if name == dense_name:
+                inputs["pool"], inputs["block_table"], inputs[new_name] = split_paged(
+                    value, page_rows(z, op), torch.Generator().manual_seed(5))
             else:
                 inputs[name] = value
         return inputs

@@ -83,13 +83,21 @@ OPS: tuple[PluginOp, ...] = (
              shapes.SLIDING_ATTENTION,
              lambda dims, dtypes, attrs: attention_kernels.plan_sliding_attention(dims, dtypes[0], splits=1,
                                                                                   **attrs)[0]),
-    PluginOp("HcaAttention", attention.hca_attention, attention_kernels.hca_attention, shapes.HCA_ATTENTION,
-             lambda dims, dtypes, attrs: attention_kernels.plan_hca_attention(dims, dtypes[0], splits=1, **attrs)[0]),
-    PluginOp("CsaAttention", attention.csa_attention, attention_kernels.csa_attention, shapes.CSA_ATTENTION,
-             lambda dims, dtypes, attrs: attention_kernels.plan_csa_attention(dims, dtypes[0], splits=1, **attrs)[0]),
-    PluginOp("IndexerTopK", indexer.indexer_topk, indexer_kernels.indexer_topk, shapes.INDEXER_TOPK,
-             lambda dims, dtypes, attrs: indexer_kernels.plan_indexer_topk(dims, dtypes[0], weights_dtype=dtypes[1],
-                                                                           **attrs)),
+    # Compressed rows and index keys reach the graphs only as the runtime's pools (plugins/paging.py), so HCA and
+    # CSA attention and the indexer are plugins in their paged forms only, reading the pools through the block
+    # table; the dense forms are ONNX functions (the paged functions' bodies) and kernels (the paged ones' core).
+    PluginOp("HcaAttentionPaged", attention.hca_attention_paged, attention_kernels.hca_attention_paged,
+             shapes.HCA_ATTENTION_PAGED,
+             lambda dims, dtypes, attrs: attention_kernels.plan_hca_attention_paged(
+                 dims, dtypes[0], page_rows=dims["page_rows"], splits=1, **attrs)[0]),
+    PluginOp("CsaAttentionPaged", attention.csa_attention_paged, attention_kernels.csa_attention_paged,
+             shapes.CSA_ATTENTION_PAGED,
+             lambda dims, dtypes, attrs: attention_kernels.plan_csa_attention_paged(
+                 dims, dtypes[0], page_rows=dims["page_rows"], splits=1, **attrs)[0]),
+    PluginOp("IndexerTopKPaged", indexer.indexer_topk_paged, indexer_kernels.indexer_topk_paged,
+             shapes.INDEXER_TOPK_PAGED,
+             lambda dims, dtypes, attrs: indexer_kernels.plan_indexer_topk(
+                 dims, dtypes[0], weights_dtype=dtypes[1], page_rows=dims["page_rows"], **attrs)),
     PluginOp("HcaCompress", compressor.hca_compress, compressor_kernels.hca_compress, shapes.HCA_COMPRESS,
              lambda dims, dtypes, attrs: compressor_kernels.plan_hca_compress(dims, dtypes[0], **attrs)),
     PluginOp("CsaCompress", compressor.csa_compress, compressor_kernels.csa_compress, shapes.CSA_COMPRESS,

@@ -72,35 +72,45 @@ def _sliding_dims(shapes: Sequence[Shape]) -> dict[str, Dim]:
     return dict(B=B, S=S, H=H, d=d, T=kv[1])
 
 
-def _hca_dims(shapes: Sequence[Shape]) -> dict[str, Dim]:
-    """... rows [B,R,d], then row_ids (HCA) or topk_idx (CSA), sink."""
-    return _sliding_dims(shapes) | dict(R=shapes[4][1])
+def _paged_dims(shapes: Sequence[Shape], first: int) -> dict[str, Dim]:
+    """pool [blocks, page_rows, C], block_table [B, W], new rows [B, N, C] from input `first` on."""
+    pool, table, new = shapes[first:first + 3]
+    return dict(page_rows=pool[1], W=table[1], N=new[1])
 
 
-def _csa_dims(shapes: Sequence[Shape]) -> dict[str, Dim]:
-    """... topk_idx [B,S,k]."""
-    return _hca_dims(shapes) | dict(k=shapes[5][2])
+def _hca_paged_dims(shapes: Sequence[Shape]) -> dict[str, Dim]:
+    """... pool, block_table, new_rows, row_ids [B,R], sink."""
+    return _sliding_dims(shapes) | _paged_dims(shapes, 4) | dict(R=shapes[7][1])
+
+
+def _csa_paged_dims(shapes: Sequence[Shape]) -> dict[str, Dim]:
+    """... pool, block_table, new_rows, topk_idx [B,S,k], sink."""
+    return _sliding_dims(shapes) | _paged_dims(shapes, 4) | dict(k=shapes[7][2])
 
 
 _WINDOW = (ACT, I64, ACT, I64)             # q, q_pos, kv, kv_pos
+_PAGED = (ACT, I64, ACT)                   # pool, block_table, new rows
 SLIDING_ATTENTION = OpShapes(_WINDOW + (F32,), (ACT,), _like_q, _sliding_dims, static=("d",))
-HCA_ATTENTION = OpShapes(_WINDOW + (ACT, I64, F32), (ACT,), _like_q, _hca_dims, static=("d",))
-CSA_ATTENTION = OpShapes(_WINDOW + (ACT, I64, F32), (ACT,), _like_q, _csa_dims, static=("d",))
+HCA_ATTENTION_PAGED = OpShapes(_WINDOW + _PAGED + (I64, F32), (ACT,), _like_q, _hca_paged_dims,
+                               static=("d", "page_rows"))
+CSA_ATTENTION_PAGED = OpShapes(_WINDOW + _PAGED + (I64, F32), (ACT,), _like_q, _csa_paged_dims,
+                               static=("d", "page_rows"))
 
 
 # --------------------------------------------------------------------------- indexer
-def _indexer_topk(shapes: Sequence[Shape], attrs: Mapping[str, Any], symbolic_min: MinFn) -> list[Shape]:
-    """q [B,S,h,dI], weights, keys [B,R,dI], key_ids, q_pos -> picks [B,S,min(topk,R)]."""
-    q, _, keys = shapes[:3]
-    return [(q[0], q[1], minimum(attrs["topk"], keys[1], symbolic_min))]
+def _indexer_paged_topk(shapes: Sequence[Shape], attrs: Mapping[str, Any], symbolic_min: MinFn) -> list[Shape]:
+    """q [B,S,h,dI], weights, pool, block_table, new_keys, key_ids [B,R], q_pos -> picks [B,S,min(topk,R)]."""
+    q, key_ids = shapes[0], shapes[5]
+    return [(q[0], q[1], minimum(attrs["topk"], key_ids[1], symbolic_min))]
 
 
-def _indexer_dims(shapes: Sequence[Shape]) -> dict[str, Dim]:
-    (B, S, h, dI), _, keys = shapes[:3]
-    return dict(B=B, S=S, h=h, dI=dI, R=keys[1])
+def _indexer_paged_dims(shapes: Sequence[Shape]) -> dict[str, Dim]:
+    B, S, h, dI = shapes[0]
+    return dict(B=B, S=S, h=h, dI=dI, R=shapes[5][1]) | _paged_dims(shapes, 2)
 
 
-INDEXER_TOPK = OpShapes((ACT, F32, ACT, I64, I64), (I64,), _indexer_topk, _indexer_dims, static=("h", "dI"))
+INDEXER_TOPK_PAGED = OpShapes((ACT, F32) + _PAGED + (I64, I64), (I64,), _indexer_paged_topk, _indexer_paged_dims,
+                              static=("h", "dI", "page_rows"))
 
 
 # --------------------------------------------------------------------------- compressors

@@ -5,8 +5,11 @@ Three measurements, each selectable:
   runtime then runs this same code): one request with a random prompt of each `--contexts` length, MTP 3,
   then `--steps` decode steps. Per step, counted: host seconds (the step's wall time less its engine calls),
   bytes of the engine calls' inputs built on the host (every feed except the `pool.*` arrays, which go by
-  reference), and bytes written into the pools (CachePool.bytes_written; 0 where there are none). Medians.
-- `prefix` (examples/tiny-v4): 16 requests sharing a `--prefix-tokens` prefix, each with its own 32-token tail,
+  reference), and bytes written into the pools (CachePool.bytes_written; 0 where there are none). Medians. Each
+  context twice: host pools (numpy, as on the CPU provider) and `--device-pools` (torch tensors bound through
+  ONNX Runtime's IOBinding, on the CPU here: the device path's host work without a GPU).
+- `prefix` (examples/tiny-v4, or the slice with `--prefix-on slice`): 16 requests sharing a `--prefix-tokens`
+  prefix, each with its own 32-token tail,
   run one after another by a generator with the prefix cache and by one without, interleaved: time to first
   token of requests 2..16 (median) cold and warm, and whether every request's tokens are equal.
 - `memory` (examples/tiny-v4): a generator for 8 rows of max_seq_len 65,536 (its pools sized for that) serving 8
@@ -38,9 +41,10 @@ def rss_mib() -> float:
     return float("nan")
 
 
-def host_work(engine: Path, context: int, steps: int, seed: int = 0) -> dict[str, float]:
+def host_work(engine: Path, context: int, steps: int, device_pools: bool = False, seed: int = 0) -> dict[str, float]:
     """Medians over `steps` decode steps of one request whose prompt has `context` tokens (see the module doc)."""
-    gen = Generator.from_engine_dir(engine, mtp=3, max_seq_len=context + 4 * steps + 64, max_batch=1)
+    gen = Generator.from_engine_dir(engine, mtp=3, max_seq_len=context + 4 * steps + 64, max_batch=1,
+                                    **({"device_pools": True} if device_pools else {}))
     scheduler = gen.scheduler
     engine_seconds, fed = [0.0], [0]
     for session in (scheduler.target_session, scheduler.draft_session):
@@ -113,6 +117,15 @@ def pool_memory(engine: Path, max_seq_len: int = 65536, rows: int = 8) -> dict[s
             "generated": sum(len(r.generated) for r in requests)}
 
 
+def slice_engine(checkpoint: Path, work: Path) -> Path:
+    """The slice's engine (bench_slice.py's config), its checkpoint made first when missing."""
+    from v4engine.builder.tiny import make_tiny
+
+    if not (checkpoint / "config.json").is_file():
+        make_tiny(checkpoint, config="slice", quantize="mxfp4", dtype="bfloat16")
+    return built_engine(checkpoint, work / "slice-engine")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("what", nargs="*", default=["host", "prefix", "memory"], choices=["host", "prefix", "memory"],
@@ -123,26 +136,28 @@ def main() -> None:
     p.add_argument("--engine", type=Path, help="`host` on this engine instead of the slice's")
     p.add_argument("--contexts", type=int, nargs="+", default=[256, 8192], help="prompt lengths for `host`")
     p.add_argument("--steps", type=int, default=24, help="decode steps measured per context")
+    p.add_argument("--device-pools", action="store_true",
+                   help="`host` also with the pools as torch tensors bound through IOBinding (on the CPU here)")
+    p.add_argument("--prefix-on", choices=["tiny", "slice"], default="tiny",
+                   help="`prefix` on examples/tiny-v4 or on the slice (built first when missing)")
     p.add_argument("--prefix-tokens", type=int, default=2048)
     p.add_argument("--requests", type=int, default=16)
     args = p.parse_args()
     if "host" in args.what:
-        engine = args.engine
-        if engine is None:
-            from v4engine.builder.tiny import make_tiny
-
-            if not (args.slice / "config.json").is_file():
-                make_tiny(args.slice, config="slice", quantize="mxfp4", dtype="bfloat16")
-            engine = built_engine(args.slice, args.work / "slice-engine")
-        print("| context | host ms / step | input bytes built / step | bytes written to pools / step | "
-              "engine ms / step |\n|---|---|---|---|---|")
+        engine = args.engine or slice_engine(args.slice, args.work)
+        print("| context | pools | host ms / step | input bytes built / step | bytes written to pools / step | "
+              "engine ms / step |\n|---|---|---|---|---|---|")
         for context in args.contexts:
-            row = host_work(engine, context, args.steps)
-            print(f"| {row['context']} | {row['host_ms']:.3f} | {row['fed_bytes']:,.0f} | "
-                  f"{row['written_bytes']:,.0f} | {row['engine_ms']:.1f} |", flush=True)
+            for device_pools in (False, True) if args.device_pools else (False,):
+                row = host_work(engine, context, args.steps, device_pools)
+                print(f"| {row['context']} | {'torch (IOBinding)' if device_pools else 'numpy'} | "
+                      f"{row['host_ms']:.3f} | {row['fed_bytes']:,.0f} | {row['written_bytes']:,.0f} | "
+                      f"{row['engine_ms']:.1f} |", flush=True)
     tiny = built_engine(TINY_V4, args.work / "tiny-v4") if {"prefix", "memory"} & set(args.what) else None
     if "prefix" in args.what:
-        row = prefix_ttft(tiny, args.prefix_tokens, args.requests)
+        on = tiny if args.prefix_on == "tiny" else slice_engine(args.slice, args.work)
+        print(f"\nprefix caching on {args.prefix_on}:")
+        row = prefix_ttft(on, args.prefix_tokens, args.requests)
         print(f"\nprefix {args.prefix_tokens} tokens, {args.requests} requests: first request {row['first_cold_ms']:.1f} "
               f"ms cold / {row['first_warm_ms']:.1f} ms warm; requests 2..{args.requests} median time to first "
               f"token {row['cold_ms']:.1f} ms cold, {row['warm_ms']:.1f} ms warm: {row['speedup']:.1f}x; tokens "

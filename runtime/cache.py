@@ -8,7 +8,8 @@ the rows of the first n new positions, and nothing else. Rollback is committing 
 therefore proportional to the new tokens, whatever the context.
 
 The arrays are host numpy arrays or torch tensors on the engine's device (runtime/pool_arrays.py): the pool
-allocates and writes through them and never touches a row otherwise.
+allocates and writes through them. Device writes are deferred to one write per pool and step; everything that
+reads or writes the arrays otherwise (a call's feeds, prefix snapshots and forks) flushes them first.
 
 Blocks are reference-counted, so that a prompt prefix's blocks can be shared by the sequences that start with it
 (runtime/prefix_cache.py). Rows are only ever added, never rewritten: a forked sequence writes only rows of
@@ -85,8 +86,13 @@ class CachePool:
                 self._free_blocks.append(b)
 
     # ------------------------------------------------------------------ a call's inputs
+    def flush(self) -> None:
+        """Write the rows commits left pending (device pools defer them, one write per pool and step)."""
+        self.storage.flush()
+
     def copy_block(self, source: int, target: int) -> None:
         """Every growing group's rows of block `source` into block `target` (a prefix fork's partial block)."""
+        self.flush()
         for g in self.groups:
             if g.ratio:
                 self.arrays[g.pool][target] = self.arrays[g.pool][source]
@@ -95,6 +101,7 @@ class CachePool:
     def feeds(self, sequences: list["SequenceCache"]) -> dict[str, Any]:
         """`slots`, `block_table` and every pool (by reference: nothing is copied) for one call over `sequences`.
         A shorter table is padded with its own last block (any block would do: the rows are masked)."""
+        self.flush()
         feeds: dict[str, np.ndarray] = {SLOTS: np.array([s.slot for s in sequences], np.int64)}
         if self.layout.paged:
             width = max(len(s.blocks) for s in sequences)
@@ -162,8 +169,10 @@ class SequenceCache:
     def ring_rows(self) -> dict[str, Any]:
         """A copy of this sequence's rings (its fixed groups' slot rows), where the pools are: a prefix snapshot
         (runtime/prefix_cache)."""
+        self.pool.flush()
         return {g.pool: self.pool.storage.clone(self.pool.arrays[g.pool][self.slot]) for g in self.groups if not g.ratio}
 
     def restore_rings(self, rows: dict[str, Any]) -> None:
+        self.pool.flush()        # a pending write to this slot (its previous owner's) must not land after these
         for name, value in rows.items():
             self.pool.arrays[name][self.slot] = value

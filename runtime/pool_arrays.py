@@ -6,8 +6,10 @@ pool, commit and prefix-cache code serves both:
   (numpy has none of its own), so a host array of a bf16 engine has its real element type.
 - `DeviceArrays`: torch tensors on one device (a GPU; "cpu" runs the same path on machines without one). The
   sessions hand them to the engine by address or by DLPack, never by copy, and the rows a call produces stay on
-  the device when the backend leaves them there (TensorRT, ONNX Runtime CUDA): `write` is one `index_put_` per
-  group, on the device. Rows that arrive on the host (a backend that returns them there) move once, just the rows.
+  the device when the backend leaves them there (TensorRT, ONNX Runtime CUDA). Writes are deferred: `flush`
+  writes every sequence's rows of a step with one `index_put_` per pool, so a step costs a few launches per cache
+  group whatever the batch (V4-Flash has about 200 groups: one launch per group and sequence would cost more than
+  the step). Rows that arrive on the host (a backend that returns them there) move once, just the rows.
 torch is imported only by DeviceArrays: the runtime's CPU path never needs it.
 """
 from __future__ import annotations
@@ -53,8 +55,11 @@ class HostArrays:
         """Allocated zeroed and untouched: a large pool costs memory only as its rows are written."""
         return np.zeros(shape, self.dtype)
 
-    def write(self, pool: np.ndarray, index: tuple[np.ndarray, ...], rows: Any) -> None:
+    def write(self, pool: np.ndarray, index: tuple[np.ndarray, np.ndarray], rows: Any) -> None:
         pool[index] = to_numpy(rows)
+
+    def flush(self) -> None:
+        """Nothing to do: host writes are immediate."""
 
     def clone(self, value: np.ndarray) -> np.ndarray:
         return value.copy()
@@ -68,18 +73,27 @@ class DeviceArrays:
 
         self.torch, self.device = torch, torch.device(device)
         self.dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+        self._pending: dict[int, tuple[Any, list[np.ndarray], list[Any]]] = {}     # id(pool) -> pool, indices, rows
 
     def zeros(self, shape: tuple[int, ...]) -> Any:
         return self.torch.zeros(shape, dtype=self.dtype, device=self.device)
 
-    def write(self, pool: Any, index: tuple[np.ndarray, ...], rows: Any) -> None:
-        """pool[index] = rows, on the device: indices are a few integers per row, rows come as they are (already
-        on the device from TensorRT or ONNX Runtime CUDA; from the host otherwise, just the new rows)."""
+    def write(self, pool: Any, index: tuple[np.ndarray, np.ndarray], rows: Any) -> None:
+        """pool[index] = rows at the next flush: index (first, second) row coordinates, rows as they come (on the
+        device from TensorRT or ONNX Runtime CUDA; from the host otherwise)."""
+        _, indices, values = self._pending.setdefault(id(pool), (pool, [], []))
+        indices.append(np.stack(index))
+        values.append(to_torch(rows) if isinstance(rows, np.ndarray) else rows)
+
+    def flush(self) -> None:
+        """Every pending write: per pool, one transfer of the indices, one concatenation of the rows (where they
+        are), one index_put_ on the device."""
         torch = self.torch
-        if isinstance(rows, np.ndarray):
-            rows = to_torch(rows)
-        where = tuple(torch.as_tensor(i, dtype=torch.int64).to(self.device, non_blocking=True) for i in index)
-        pool.index_put_(where, rows.to(self.device, self.dtype, non_blocking=True))
+        for pool, indices, values in self._pending.values():
+            where = torch.from_numpy(np.concatenate(indices, axis=1)).to(self.device, non_blocking=True)
+            rows = torch.cat([v.to(self.device, self.dtype, non_blocking=True) for v in values])
+            pool.index_put_((where[0], where[1]), rows)
+        self._pending.clear()
 
     def clone(self, value: Any) -> Any:
         return value.clone()

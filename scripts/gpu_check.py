@@ -457,6 +457,7 @@ def commit_step(pool: Any, caches: list, n: int, rows: Callable[[Any, int], Any]
         cache.reserve(cache.length + n)
         cache.commit({g.pool: rows(g, closed_windows(cache.length, n, g.ratio) if g.ratio else n)
                       for g in pool.groups}, n)
+    pool.flush()
 
 
 def check_pools(report: Report, device: torch.device, dry_run: bool) -> None:

@@ -71,9 +71,48 @@ def test_a_device_commit_writes_the_rows_a_host_commit_writes(engine, dtype):
                 s.reserve(s.length + n)
                 as_given = deltas if pool is host or step % 2 else {k: to_torch(v) for k, v in deltas.items()}
                 s.commit(as_given, n)
+    device.flush()
     for name, array in host.arrays.items():
         assert np.array_equal(to_numpy(device.arrays[name]).view(np.uint8), array.view(np.uint8)), name
     assert device.bytes_written == host.bytes_written
+
+
+def layout_of(engine):
+    return Generator.from_engine_dir(engine, mtp=0).manifest.caches["target"]
+
+
+def step_deltas(layout, n: int, value: float) -> dict[str, torch.Tensor]:
+    return {g.pool: torch.full((n if not g.ratio else n // g.ratio + 1, g.width), value) for g in layout.groups}
+
+
+def test_a_step_of_many_sequences_writes_each_pool_once(engine, monkeypatch):
+    """Device writes wait for the next read and then go one index_put_ per pool, whatever the batch."""
+    layout = layout_of(engine)
+    pool = CachePool(layout, 8, 64, DeviceArrays("fp32", "cpu"))
+    sequences = [SequenceCache(pool) for _ in range(8)]
+    calls = []
+    original = torch.Tensor.index_put_
+    monkeypatch.setattr(torch.Tensor, "index_put_", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    for s in sequences:
+        s.reserve(40)
+        s.commit(step_deltas(layout, 40, 1.0), 40)
+    assert calls == []                                  # pending until something reads the pools
+    pool.feeds(sequences)
+    assert len(calls) == len(layout.groups)
+
+
+def test_a_slot_given_back_with_writes_pending_keeps_its_new_owners_rings(engine):
+    layout = layout_of(engine)
+    pool = CachePool(layout, 1, 8, DeviceArrays("fp32", "cpu"))
+    old = SequenceCache(pool)
+    old.reserve(5)
+    old.commit(step_deltas(layout, 5, 1.0), 5)          # pending
+    old.release()
+    new = SequenceCache(pool)                           # the same slot, restored from a prefix snapshot
+    assert new.slot == old.slot
+    new.restore_rings({g.pool: torch.full((g.rows_fixed, g.width), 2.0) for g in layout.groups if not g.ratio})
+    pool.feeds([new])
+    assert all((pool.arrays[g.pool][new.slot] == 2.0).all() for g in layout.groups if not g.ratio)
 
 
 def test_bf16_crosses_between_numpy_and_torch_exactly():

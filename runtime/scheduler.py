@@ -130,8 +130,14 @@ class Scheduler:
                      max_batch * layout.table_blocks(max_seq_len)) if layout.block_bytes else 0
         self.pools = {part: CachePool(layout, max_batch, blocks if part == "target" else 0, storage)
                       for part, layout in manifest.caches.items()}
-        # Snapshots (rings and streams) are host memory beside the pools: at most an eighth of the budget
-        self.prefix = PrefixCache(self.pools["target"], self.budget // 8) if prefix_cache else None
+        # Snapshots (rings, and the streams a drafting fork recomputes its window from) live beside the pools: an
+        # eighth of the budget, but room for two per batch row at least (a wide model's rings are large against
+        # a small budget: the slice's 3.4 MB snapshot against its 4.3 MB eighth kept one entry and never hit)
+        cfg = self.cfg
+        snapshot = manifest.caches["target"].slot_bytes + (mtp > 0) * (cfg.sliding_window - 1) * cfg.hc_mult * \
+            cfg.hidden_size * np.dtype(self.dtype).itemsize
+        self.prefix = PrefixCache(self.pools["target"], max(self.budget // 8, 2 * max_batch * snapshot)) \
+            if prefix_cache else None
         self.waiting: list[Request] = []
         self.active: list[Request] = []
         self._ids = itertools.count()

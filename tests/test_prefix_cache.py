@@ -103,3 +103,17 @@ def test_turning_it_off_keeps_no_entries(engine):
     first, second = gen.generate([prompt], GREEDY)[0], gen.generate([prompt], GREEDY)[0]
     assert gen.scheduler.prefix is None and second.metrics["prefix_hit_tokens"] == 0
     assert first.token_ids == second.token_ids
+
+
+def test_a_small_budget_still_keeps_two_snapshots_per_batch_row(engine):
+    """An eighth of a small budget may hold less than one snapshot (a wide model's rings): the floor of two per
+    batch row keeps the snapshots of a shared prefix, and a later prompt forks from them."""
+    probe = Generator.from_engine_dir(engine, mtp=3, max_batch=2)
+    budget = 2 * probe.scheduler.cache_bytes(160)
+    gen = Generator.from_engine_dir(engine, mtp=3, max_batch=2, max_cache_bytes=budget, max_prefill_chunk=32)
+    prefix = tokens(96, seed=11)
+    first = gen.generate([prefix + tokens(7, 1)], GREEDY)[0]
+    entry = next(iter(gen.scheduler.prefix.entries.values()))
+    assert budget // 8 < 2 * entry.nbytes <= gen.scheduler.prefix.max_bytes / 2
+    second = gen.generate([prefix + tokens(5, 2)], GREEDY)[0]
+    assert first.metrics["prefix_hit_tokens"] == 0 and second.metrics["prefix_hit_tokens"] == 96

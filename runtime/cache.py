@@ -35,8 +35,9 @@ class PoolExhausted(V4EngineError):
 class CachePool:
     """The pools of one part (the target, or the MTP layer) for `slots` sequences and `blocks` blocks.
 
-    Arrays are allocated zeroed, in `storage` (host or device); on the host they stay untouched, so a large
-    budget costs memory only as blocks are used."""
+    Arrays are allocated zeroed, in `storage` (host or device). On the host they stay untouched, so a large
+    budget costs memory only as blocks are used; device pools are allocated whole (the budget is capped by the
+    device's free memory)."""
 
     def __init__(self, layout: CacheLayout, slots: int, blocks: int, storage: PoolArrays):
         self.layout, self.groups, self.storage = layout, layout.groups, storage

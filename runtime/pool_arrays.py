@@ -14,6 +14,7 @@ torch is imported only by DeviceArrays: the runtime's CPU path never needs it.
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import ml_dtypes
@@ -55,6 +56,10 @@ class HostArrays:
         """Allocated zeroed and untouched: a large pool costs memory only as its rows are written."""
         return np.zeros(shape, self.dtype)
 
+    def memory(self) -> int:
+        """Bytes of memory this machine has (its physical pages)."""
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
     def write(self, pool: np.ndarray, index: tuple[np.ndarray, np.ndarray], rows: Any) -> None:
         pool[index] = to_numpy(rows)
 
@@ -75,6 +80,13 @@ class DeviceArrays:
         self.dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
         self._pending: dict[int, tuple[Any, list[np.ndarray], list[Any]]] = {}     # id(pool) -> pool, indices, rows
 
+    def memory(self) -> int:
+        """Bytes free on the device now (after the weights): device pools are allocated whole. On the CPU, the
+        host's."""
+        if self.device.type == "cuda":
+            return self.torch.cuda.mem_get_info(self.device)[0]
+        return HostArrays.memory(self)
+
     def zeros(self, shape: tuple[int, ...]) -> Any:
         return self.torch.zeros(shape, dtype=self.dtype, device=self.device)
 
@@ -87,13 +99,17 @@ class DeviceArrays:
 
     def flush(self) -> None:
         """Every pending write: per pool, one transfer of the indices, one concatenation of the rows (where they
-        are), one index_put_ on the device."""
+        are), one index_put_ on the device. On a GPU it returns once they are done: the engines run on streams of
+        their own (TensorRT's, ONNX Runtime's), which must neither read a pool before its rows land nor reuse an
+        output buffer the concatenation still reads."""
         torch = self.torch
-        for pool, indices, values in self._pending.values():
+        pending, self._pending = self._pending, {}     # taken first: a failed write is not retried forever
+        for pool, indices, values in pending.values():
             where = torch.from_numpy(np.concatenate(indices, axis=1)).to(self.device, non_blocking=True)
             rows = torch.cat([v.to(self.device, self.dtype, non_blocking=True) for v in values])
             pool.index_put_((where[0], where[1]), rows)
-        self._pending.clear()
+        if pending and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
     def clone(self, value: Any) -> Any:
         return value.clone()

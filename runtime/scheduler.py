@@ -21,7 +21,6 @@ The scheduler is not thread-safe: the Generator's lock guards it (runtime/genera
 from __future__ import annotations
 
 import itertools
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,11 +37,6 @@ from .pool_arrays import NUMPY_DTYPES, pool_arrays
 from .prefix_cache import PrefixCache, PrefixEntry
 from .sampling import RequestError, SamplingParams, accept_greedy, accept_sampled, distribution, draw, is_integer
 from .sessions import EngineSession
-
-
-def host_memory() -> int:
-    """Bytes of memory this machine has (its physical pages)."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 class CapacityError(RequestError):
@@ -118,11 +112,12 @@ class Scheduler:
                                 f"{target.pool_device}: both must read pools in one place")
         storage = pool_arrays(manifest.dtype, target.pool_device)
         self.groups = {part: manifest.cache_groups(part) for part in manifest.caches}
-        # By default: the caches of max_batch sequences of max_seq_len tokens, but never more than half of this
-        # machine's memory (an engine.json cannot make the runtime promise memory it does not have). The budget
+        # By default: the caches of max_batch sequences of max_seq_len tokens, but never more than half of the
+        # memory the pools live in: the host's, or what the GPU has free beside the weights (an engine.json cannot
+        # make the runtime promise memory it does not have, and device pools are allocated whole). The budget
         # pays for a slot of every part per batch row first, then for as many blocks as it holds.
         self.budget = max_cache_bytes if max_cache_bytes is not None else min(
-            max_batch * self.cache_bytes(max_seq_len), host_memory() // 2)
+            max_batch * self.cache_bytes(max_seq_len), storage.memory() // 2)
         # Never more blocks than max_batch sequences of max_seq_len can use (nor than a shape-specialized engine's
         # profiles take, which stop there), and at least one where there are growing groups.
         layout = manifest.caches["target"]

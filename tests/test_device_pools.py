@@ -132,3 +132,16 @@ def test_the_draft_and_the_target_must_keep_their_pools_in_one_place(engine):
     with pytest.raises(V4EngineError, match="both must read pools in one place"):
         Scheduler(gen.manifest, gen.scheduler.target_session, host.scheduler.draft_session, 3, max_batch=2,
                   max_seq_len=128)
+
+
+def test_a_gpu_provider_this_onnxruntime_lacks_leaves_the_pools_on_the_host(engine):
+    """Asked for CUDA on an ONNX Runtime without it, the session runs on the CPU: its pools stay numpy."""
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("this ONNX Runtime has the CUDA provider")
+    gen = Generator.from_engine_dir(engine, mtp=3, providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
+    assert gen.scheduler.target_session.pool_device is None
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    assert gen.generate([[1, 2, 3]], params)[0].token_ids == \
+        Generator.from_engine_dir(engine, mtp=3).generate([[1, 2, 3]], params)[0].token_ids

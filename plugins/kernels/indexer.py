@@ -104,7 +104,7 @@ def _indexer_topk_kernel(q, weights, keys, key_ids, q_pos, S, R, idx,
                   BLOCK_H, BLOCK_D, BLOCK_R, BUFFER, FP32_DOT, 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S", "R", "W", "N"])
 def _indexer_topk_paged_kernel(q, weights, pool, block_table, new_keys, key_ids, q_pos, S, R, W, N, idx,
                                TOPK: tl.constexpr, RATIO: tl.constexpr, SCALE: tl.constexpr,
                                HEADS: tl.constexpr, DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,

@@ -19,7 +19,8 @@ import triton.language as tl
 @triton.jit
 def paged_row_tile(pool, table, new, rows, mask, past, dims, PAGE_ROWS: tl.constexpr, WIDTH: tl.constexpr):
     """Pointers [rows, dims] to the logical `rows` of one sequence: `table` its row of the block table, `new` its
-    first new row, `past` = W * PAGE_ROWS. Rows where `mask` is off point at the pool's first row (never loaded).
+    first new row, `past` = W * PAGE_ROWS. Rows where `mask` is off point somewhere harmless: they are never
+    loaded.
     Each row starts on 16 bytes when a row is a multiple of 16 bytes (see attention._row_tile)."""
     in_pool = rows < past
     block = tl.load(table + rows // PAGE_ROWS, mask=mask & in_pool, other=0)

@@ -5,6 +5,8 @@ Two ways to run a MIGraphX engine, chosen by what is installed:
   profile (`{graph}.{profile}.mxr`, listed in engine.json); each call runs the tightest profile's program;
 - ONNX Runtime's MIGraphX execution provider (onnxruntime-migraphx): the MIGraphX variant graph, which ONNX
   Runtime hands to MIGraphX (nodes MIGraphX cannot take fall back to the CPU).
+The programs take host numpy pools, which their offload_copy copies to the GPU every call (keep their budget
+small); through ONNX Runtime the pools are torch tensors on the GPU, bound in place (sessions/onnxruntime.py).
 Written to MIGraphX's documented Python API; not yet run on ROCm (README, backends).
 """
 from __future__ import annotations
@@ -62,6 +64,7 @@ class MIGraphXSession(EngineSession):
         from .onnxruntime import OnnxRuntimeSession
 
         self._onnxruntime = OnnxRuntimeSession(engine_dir, manifest, graph, providers=[PROVIDER, "CPUExecutionProvider"])
+        self.pool_device = self._onnxruntime.pool_device      # its pools on the GPU, bound through an IOBinding
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if self._onnxruntime is not None:

@@ -130,6 +130,8 @@ class OnnxRuntimeSession(EngineSession):
         self._graph = folder.directory / entry.file
         self._bind_outputs: str | None = None       # device type where new rows stay (None: the host)
         gpu = _device_of(providers or [])
+        if gpu is not None and gpu[0] not in self._session.get_providers():
+            gpu = None                  # asked for, but this ONNX Runtime has it not: the session runs on the CPU
         if device_pools is None:
             device_pools = gpu is not None
         if device_pools:
@@ -168,6 +170,7 @@ class OnnxRuntimeSession(EngineSession):
             else:
                 binding.bind_output(name)
         self._session.run_with_iobinding(binding)
+        binding.synchronize_outputs()   # new rows are read on torch's stream next: ONNX Runtime's must be done
         outputs = {}
         for name, value in zip(self._output_names, binding.get_outputs()):
             if self._bind_outputs and name.startswith(NEW_PREFIX):

@@ -94,6 +94,7 @@ class TensorRTSession(EngineSession):
         if index != self._active:
             self._context.set_optimization_profile_async(index, self._stream.cuda_stream)
             self._active = index
+        self._stream.wait_stream(torch.cuda.current_stream(self._device))     # the pools' writes come first
         with torch.cuda.stream(self._stream):
             held = []
             for spec in self.inputs:

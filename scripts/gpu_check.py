@@ -567,7 +567,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("gpu-check-out"), help="folder for the results")
     parser.add_argument("--tests", type=Path, help="pytest's JUnit XML (xunit1) of the gpu tests, for the table")
-    parser.add_argument("--time-limit", type=float, default=150.0,
+    parser.add_argument("--time-limit", type=float, default=170.0,
                         help="seconds; checks not started by then are skipped (and listed)")
     parser.add_argument("--dry-run", action="store_true",
                         help="no GPU: (b) and (c) at the tiny size up to the launch, for sm90")

@@ -12,8 +12,8 @@
 # collected but not run, and the driver's --dry-run.
 #
 # Environment: OUT (results folder, default ./gpu-check-out), PYTHON (default python3), GPU_CHECK_TEST_LIMIT (seconds
-# after which the tests are interrupted, default 210) and GPU_CHECK_TIME_LIMIT (seconds after which the driver starts
-# no new check, default 150; it is interrupted 30 s later). Interrupted like Ctrl-C, each step still writes its
+# after which the tests are interrupted, default 230) and GPU_CHECK_TIME_LIMIT (seconds after which the driver starts
+# no new check, default 170; it is interrupted 30 s later). Interrupted like Ctrl-C, each step still writes its
 # results; it is killed 20 s later if it does not stop: the whole run stays under 8 minutes. Reads the GPU's
 # description with nvidia-smi and never changes its settings. Exit status: the driver's (0 pass, 1 a check or test
 # failed, 2 checks not started at the time limit), or 1 if only pytest failed.
@@ -27,8 +27,8 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-python3}"
 mkdir -p "${OUT:-gpu-check-out}"
 OUT_DIR="$(cd "${OUT:-gpu-check-out}" && pwd)"
-TEST_LIMIT="${GPU_CHECK_TEST_LIMIT:-210}"
-LIMIT="${GPU_CHECK_TIME_LIMIT:-150}"
+TEST_LIMIT="${GPU_CHECK_TEST_LIMIT:-230}"
+LIMIT="${GPU_CHECK_TIME_LIMIT:-170}"
 unset TRITON_INTERPRET     # the driver compiles kernels (tests/conftest.py sets it for the tests where no GPU is)
 
 SITE="$(mktemp -d)"

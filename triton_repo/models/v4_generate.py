@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import fields
+from importlib.util import find_spec
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -83,13 +84,15 @@ class Metrics:
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         params = io.parameters(args)
-        providers = None
+        providers, device_pools = None, None
         if args["model_instance_kind"] == "GPU":       # ONNX Runtime's CUDA provider on this instance's device
             names = params["providers"].split(",")
             providers = [(n, {"device_id": args["model_instance_device_id"]}) if n == "CUDAExecutionProvider"
                          else n for n in names]
+            # the caches live on the GPU where this Python has torch; without it on the host (copied every call)
+            device_pools = None if find_spec("torch") else False
         generator = Generator.from_engine_dir(params["engine_dir"], max_batch=int(params["max_batch"]),
-                                              providers=providers)
+                                              providers=providers, device_pools=device_pools)
         self.metrics = Metrics({"model": args["model_name"], "version": args["model_version"]},
                                positions=generator.scheduler.mtp)
         self.gauges = (self.metrics.waiting, self.metrics.running, self.metrics.pending, self.metrics.cache_bytes)

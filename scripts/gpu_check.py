@@ -25,8 +25,8 @@ scripts/gpu_check.sh runs first and hands over as JUnit XML (--tests).
     4.8 TB/s and of a measured 2 GiB device copy.
 
 (e) Device pools (runtime/pool_arrays.py, cache.py): V4-Flash's target cache groups in bf16 pools on the GPU for 8
-    sequences of 64K context. Numerics: two sequences prefilled to 64K (random rows, on the device) and then one
-    verify step each, committed into device pools and into host pools alike: every pool bit-for-bit equal. Timing:
+    sequences of 64K context. Numerics: two sequences prefilled to 64K in chunks of 4,096 (random rows, on the
+    device) and then one verify step each, committed into device pools and into host pools alike: every pool bit-for-bit equal. Timing:
     one decode step's commit (k + 1 = 4 positions for each of B = 8 sequences, the rows already on the device),
     against what a step cost before the pools lived on the device, the whole pools of the B sequences crossing
     PCIe (their bytes at a measured pinned host-to-device copy).
@@ -437,7 +437,7 @@ def timing_row(row: Row, op: str, z: SimpleNamespace, B: int, ptx: PtxLauncher |
 
 
 # --------------------------------------------------------------------------- (e) device pools
-POOL_SEQUENCES, POOL_CONTEXT, VERIFY_POSITIONS = 8, 65536, 4
+POOL_SEQUENCES, POOL_CONTEXT, VERIFY_POSITIONS, PREFILL_CHUNK = 8, 65536, 4, 4096
 
 
 def pool_config(dry_run: bool) -> Any:
@@ -475,7 +475,9 @@ def check_pools(report: Report, device: torch.device, dry_run: bool) -> None:
                  for arrays in (DeviceArrays("bf16", str(device)), HostArrays("bf16"))]
         caches = [[SequenceCache(pool) for _ in range(2)] for pool in pools]
         g = torch.Generator(device).manual_seed(0)
-        for n in (context - VERIFY_POSITIONS, VERIFY_POSITIONS):
+        prefill = context - VERIFY_POSITIONS        # in chunks, as the runtime prefills (each chunk's delta rows
+        chunks = [PREFILL_CHUNK] * (prefill // PREFILL_CHUNK) + [prefill % PREFILL_CHUNK]    # exist whole at once)
+        for n in [c for c in chunks if c] + [VERIFY_POSITIONS]:
             made: list[torch.Tensor] = []
 
             def draw(group: Any, count: int) -> torch.Tensor:

@@ -8,11 +8,11 @@ Three measurements, each selectable:
   reference), and bytes written into the pools (CachePool.bytes_written; 0 where there are none). Medians. Each
   context twice: host pools (numpy, as on the CPU provider) and `--device-pools` (torch tensors bound through
   ONNX Runtime's IOBinding, on the CPU here: the device path's host work without a GPU).
-- `prefix` (examples/tiny-v4, or the slice with `--prefix-on slice`): 16 requests sharing a `--prefix-tokens`
+- `prefix` (examples/tiny-v4, or the slice with `--on slice`): 16 requests sharing a `--prefix-tokens`
   prefix, each with its own 32-token tail,
   run one after another by a generator with the prefix cache and by one without, interleaved: time to first
   token of requests 2..16 (median) cold and warm, and whether every request's tokens are equal.
-- `memory` (examples/tiny-v4): a generator for 8 rows of max_seq_len 65,536 (its pools sized for that) serving 8
+- `memory` (examples/tiny-v4, or the slice with `--on slice`): a generator for 8 rows of max_seq_len 65,536 (its pools sized for that) serving 8
   short requests: the bytes its requests hold against a whole max_seq_len each, and the process's RSS.
 
     .venv/bin/python -m benchmarks.bench_cache --work /tmp/bench-cache
@@ -138,8 +138,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=24, help="decode steps measured per context")
     p.add_argument("--device-pools", action="store_true",
                    help="`host` also with the pools as torch tensors bound through IOBinding (on the CPU here)")
-    p.add_argument("--prefix-on", choices=["tiny", "slice"], default="tiny",
-                   help="`prefix` on examples/tiny-v4 or on the slice (built first when missing)")
+    p.add_argument("--on", choices=["tiny", "slice"], default="tiny",
+                   help="`prefix` and `memory` on examples/tiny-v4 or on the slice (built first when missing)")
     p.add_argument("--prefix-tokens", type=int, default=2048)
     p.add_argument("--requests", type=int, default=16)
     args = p.parse_args()
@@ -153,17 +153,18 @@ def main() -> None:
                 print(f"| {row['context']} | {'torch (IOBinding)' if device_pools else 'numpy'} | "
                       f"{row['host_ms']:.3f} | {row['fed_bytes']:,.0f} | {row['written_bytes']:,.0f} | "
                       f"{row['engine_ms']:.1f} |", flush=True)
-    tiny = built_engine(TINY_V4, args.work / "tiny-v4") if {"prefix", "memory"} & set(args.what) else None
+    on = None
+    if {"prefix", "memory"} & set(args.what):
+        on = built_engine(TINY_V4, args.work / "tiny-v4") if args.on == "tiny" else slice_engine(args.slice, args.work)
     if "prefix" in args.what:
-        on = tiny if args.prefix_on == "tiny" else slice_engine(args.slice, args.work)
-        print(f"\nprefix caching on {args.prefix_on}:")
+        print(f"\nprefix caching on {args.on}:")
         row = prefix_ttft(on, args.prefix_tokens, args.requests)
         print(f"\nprefix {args.prefix_tokens} tokens, {args.requests} requests: first request {row['first_cold_ms']:.1f} "
               f"ms cold / {row['first_warm_ms']:.1f} ms warm; requests 2..{args.requests} median time to first "
               f"token {row['cold_ms']:.1f} ms cold, {row['warm_ms']:.1f} ms warm: {row['speedup']:.1f}x; tokens "
               f"equal: {row['same_tokens']}; prefix_hit_tokens {row['prefix_hit_tokens']}")
     if "memory" in args.what:
-        row = pool_memory(tiny)
+        row = pool_memory(on)
         print(f"\n8 requests of 100 + 32 tokens, max_seq_len 65536: pools {row['pool_bytes'] / 2**20:.0f} MiB "
               f"allocated (untouched pages), requests held at most {row['held_peak'] / 2**20:.2f} MiB against "
               f"{row['whole_max_seq_len'] / 2**20:.0f} MiB for a whole max_seq_len each; RSS +"

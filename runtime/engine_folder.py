@@ -258,7 +258,7 @@ def check_external_data(proto: Any, weights: MappedWeights, graph: Path) -> None
                                     f"data [{weights.data_start[location]}, {size}); refused")
 
 
-_ELEMENT_TYPES = {"float32": 1, "int64": 7, "float16": 10, "bfloat16": 16}     # onnx.TensorProto's numbers
+ELEMENT_TYPES = {"float32": 1, "int64": 7, "float16": 10, "bfloat16": 16}     # onnx.TensorProto's numbers
 
 
 def read_graph(folder: EngineFolder, entry: GraphEntry, weights: MappedWeights) -> bytes:
@@ -280,7 +280,7 @@ def read_graph(folder: EngineFolder, entry: GraphEntry, weights: MappedWeights) 
         got = [(v.name, v.type.tensor_type.elem_type,
                 tuple(d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim))
                for v in declared]
-        want = [(s.name, _ELEMENT_TYPES.get(s.dtype), tuple(d if isinstance(d, int) else None for d in s.shape))
+        want = [(s.name, ELEMENT_TYPES.get(s.dtype), tuple(d if isinstance(d, int) else None for d in s.shape))
                 for s in expected]
         if got != want:
             first = next((g[0] for g, w in zip(got, want) if g != w), f"{len(got)} {kind}s, not {len(want)}")

@@ -44,6 +44,11 @@ def to_torch(array: np.ndarray) -> Any:
     return torch.from_numpy(array)
 
 
+def host_memory() -> int:
+    """Bytes of memory this machine has (its physical pages)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 class HostArrays:
     """Pools as numpy arrays in host memory."""
 
@@ -57,8 +62,7 @@ class HostArrays:
         return np.zeros(shape, self.dtype)
 
     def memory(self) -> int:
-        """Bytes of memory this machine has (its physical pages)."""
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return host_memory()
 
     def write(self, pool: np.ndarray, index: tuple[np.ndarray, np.ndarray], rows: Any) -> None:
         pool[index] = to_numpy(rows)
@@ -85,7 +89,7 @@ class DeviceArrays:
         host's."""
         if self.device.type == "cuda":
             return self.torch.cuda.mem_get_info(self.device)[0]
-        return HostArrays.memory(self)
+        return host_memory()
 
     def zeros(self, shape: tuple[int, ...]) -> Any:
         return self.torch.zeros(shape, dtype=self.dtype, device=self.device)

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from .cache import CachePool, PoolExhausted, SequenceCache
+from .layout import CacheLayout
 
 
 @dataclass
@@ -42,6 +43,12 @@ class PrefixEntry:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.rings.values()) + self.hidden.nbytes
+
+    @staticmethod
+    def bytes_for(layout: CacheLayout, streams: int, stream_bytes: int) -> int:
+        """An entry's bytes: the target's rings, and `streams` rows of `stream_bytes` (a drafting engine keeps
+        the W - 1 streams before the fork; none without drafting)."""
+        return layout.slot_bytes + streams * stream_bytes
 
 
 class PrefixCache:

@@ -129,8 +129,8 @@ class Scheduler:
         # eighth of the budget, but room for two per batch row at least (a wide model's rings are large against
         # a small budget: the slice's 3.4 MB snapshot against its 4.3 MB eighth kept one entry and never hit)
         cfg = self.cfg
-        snapshot = manifest.caches["target"].slot_bytes + (mtp > 0) * (cfg.sliding_window - 1) * cfg.hc_mult * \
-            cfg.hidden_size * np.dtype(self.dtype).itemsize
+        snapshot = PrefixEntry.bytes_for(manifest.caches["target"], (mtp > 0) * (cfg.sliding_window - 1),
+                                         cfg.hc_mult * cfg.hidden_size * np.dtype(self.dtype).itemsize)
         self.prefix = PrefixCache(self.pools["target"], max(self.budget // 8, 2 * max_batch * snapshot)) \
             if prefix_cache else None
         self.waiting: list[Request] = []

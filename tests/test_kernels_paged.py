@@ -17,7 +17,8 @@ pytest.importorskip("triton")
 from v4engine.plugins.kernels import catalog  # noqa: E402
 from v4engine.plugins.kernels.numerics import (PAGED, Draw, as_fp32, dense_inputs, judge, kernel,  # noqa: E402
                                                make_inputs, op_attrs, query_positions, reference)
-from v4engine.plugins.kernels.paging import page, split_paged, unpage  # noqa: E402
+from v4engine.plugins.kernels.paging import page, split_paged  # noqa: E402
+from v4engine.plugins.paging import PagedRows  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TINY = catalog.SIZES["tiny"]
@@ -28,11 +29,11 @@ def test_a_paged_pool_holds_the_rows_in_shuffled_blocks_and_gives_them_back():
     pool, table = page(rows, 5, torch.Generator().manual_seed(1))
     assert pool.shape == (3 * 3 + 1, 5, 4) and table.shape == (3, 3)
     assert len(set(table.flatten().tolist())) == 9                          # each block once, one spare
-    assert torch.equal(unpage(pool, table)[:, :13], rows)
-    assert torch.equal(unpage(pool, table)[:, 13:], torch.zeros(3, 2, 4))
+    assert torch.equal(PagedRows(pool, table).dense()[:, :13], rows)
+    assert torch.equal(PagedRows(pool, table).dense()[:, 13:], torch.zeros(3, 2, 4))
     pool, table, new = split_paged(rows, 5)                                 # whole blocks, then new rows
     assert table.shape == (3, 2) and new.shape == (3, 3, 4)
-    assert torch.equal(torch.cat([unpage(pool, table), new], 1), rows)
+    assert torch.equal(PagedRows(pool, table, new).dense(), rows)
 
 
 @pytest.mark.parametrize("op", sorted(PAGED))

@@ -33,12 +33,13 @@ from .. import attention as attention_ref
 from .. import compressor as compressor_ref
 from .. import indexer as indexer_ref
 from .. import moe as moe_ref
+from ..paging import PagedRows
 from . import attention as attention_kernels
 from . import compressor as compressor_kernels
 from . import indexer as indexer_kernels
 from . import moe as moe_kernels
 from .catalog import page_rows
-from .paging import split_paged, unpage
+from .paging import split_paged
 
 # paged op -> the dense op it computes, its rows or keys in a block pool read through a block table
 PAGED = {"hca_attention_paged": "hca_attention", "csa_attention_paged": "csa_attention",
@@ -173,7 +174,7 @@ def dense_inputs(op: str, values: Any) -> dict[str, torch.Tensor]:
     dense = {}
     for name, value in paged.items():
         if name == "pool":
-            dense[dense_name] = torch.cat([unpage(value, paged["block_table"]), paged[new_name]], dim=1)
+            dense[dense_name] = PagedRows(value, paged["block_table"], paged[new_name]).dense()
         elif name not in ("block_table", new_name):
             dense[name] = value
     return dense

@@ -48,11 +48,6 @@ def page(rows: torch.Tensor, page_rows: int, generator: torch.Generator | None =
     return pool, table
 
 
-def unpage(pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """The dense rows [B, W * page_rows, width] a block table addresses in a pool."""
-    return pool[block_table].flatten(1, 2)
-
-
 def split_paged(rows: torch.Tensor, page_rows: int, generator: torch.Generator | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(pool, block_table, new rows) for dense rows [B, R, width] (R > 0): as many whole blocks of past rows as

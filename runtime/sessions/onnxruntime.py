@@ -38,7 +38,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ..engine import EngineManifest
-from ..engine_folder import EngineFolder, EngineFormatError, read_graph
+from ..engine_folder import ELEMENT_TYPES, EngineFolder, EngineFormatError, read_graph
 from ..layout import NEW_PREFIX
 from ..pool_arrays import NUMPY_DTYPES, to_numpy
 from ..untrusted import first_line
@@ -49,7 +49,7 @@ QMOE_GEMM = "ORT_QMOE_CPU_QNBIT_GEMM"
 # outputs come to the host; MIGraphX's device names differ between ONNX Runtime builds, and only new rows move)
 DEVICE_PROVIDERS = {"CUDAExecutionProvider": "cuda", "MIGraphXExecutionProvider": None}
 Provider = str | tuple[str, dict]
-BFLOAT16, ONNX_BFLOAT16 = NUMPY_DTYPES["bf16"], 16       # ml_dtypes' bfloat16; onnx.TensorProto.BFLOAT16
+BFLOAT16 = NUMPY_DTYPES["bf16"]                          # ml_dtypes' bfloat16
 
 
 def _device_of(providers: list[Provider]) -> tuple[str, str | None, int] | None:
@@ -185,6 +185,6 @@ class OnnxRuntimeSession(EngineSession):
 def _host_value(array: np.ndarray) -> ort.OrtValue:
     """An OrtValue of a host array; bf16 (ml_dtypes) through its bits, which ONNX Runtime's numpy bridge lacks."""
     if array.dtype == BFLOAT16:
-        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array.view(np.uint16), ONNX_BFLOAT16)
+        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array.view(np.uint16), ELEMENT_TYPES["bfloat16"])
     return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array))
 

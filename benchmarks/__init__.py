@@ -7,25 +7,27 @@ from pathlib import Path
 from v4engine.builder.cli import main as v4build
 
 
-def built_engine(checkpoint: Path, work: Path, mtp: int = 3) -> Path:
-    """work/engine: the engine of `checkpoint` with --mtp `mtp`, built unless a finished one this runtime reads is
-    there (reruns reuse it; an engine of an older format is rebuilt; v4build --force replaces only folders of its
-    own)."""
-    engine = work / "engine"
+def built_engine(checkpoint: Path, work: Path, mtp: int = 3, *flags: str, name: str = "engine") -> Path:
+    """work/name: the engine of `checkpoint` with --mtp `mtp` and v4build's `flags`, built unless a finished one this
+    runtime reads is there (reruns reuse it; an engine of an older format is rebuilt; v4build --force replaces only
+    folders of its own)."""
+    engine = work / name
     work.mkdir(parents=True, exist_ok=True)
-    if not _readable(engine):
-        if v4build(["--checkpoint", str(checkpoint), "--mtp", str(mtp), "--output", str(engine), "--force",
+    stages = int(flags[flags.index("--pipeline-stages") + 1]) if "--pipeline-stages" in flags else 1
+    if not _readable(engine, mtp, stages):
+        if v4build(["--checkpoint", str(checkpoint), "--mtp", str(mtp), "--output", str(engine), *flags, "--force",
                     "--quiet"]):
             raise SystemExit(f"v4build failed for {checkpoint}")
     return engine
 
 
-def _readable(engine: Path) -> bool:
+def _readable(engine: Path, mtp: int, stages: int) -> bool:
+    """Whether `engine` is one this runtime reads, built with this k and this many pipeline stages."""
     from v4engine.runtime.engine import EngineManifest
     from v4engine.runtime.engine_folder import EngineFormatError
 
     try:
-        EngineManifest.read(engine)
+        manifest = EngineManifest.read(engine)
     except EngineFormatError:
         return False
-    return True
+    return manifest.mtp == mtp and len(manifest.stages) == stages

@@ -12,8 +12,11 @@
 4. What the runtime's checks of an engine folder cost at this size (runtime/engine_folder.py): engine.json read
    and checked, every weight file fingerprinted and mapped, each graph parsed and its external data checked.
 
+5. With --pipeline-stages N: each stage's layers and resident weight bytes, and the room it leaves for caches on
+   an H200 (139 GiB visible), in bytes and in tokens of cache at the stage's bytes per token.
+
     .venv/bin/python -m benchmarks.bench_fullsize --work /tmp/fullsize [--release v4-flash] [--mtp 3] \
-        [--backend tensorrt|onnxruntime]
+        [--backend tensorrt|onnxruntime] [--pipeline-stages N]
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ from pathlib import Path
 import onnx
 from benchmarks.bench_build import timed_build
 
-from v4engine.runtime.engine import EngineManifest
+from v4engine.runtime.engine import VALUE_BYTES, EngineManifest
 from v4engine.runtime.engine_folder import EngineFolder, read_graph
 
 QUANTIZED = {onnx.TensorProto.FLOAT8E4M3FN: "FP8", onnx.TensorProto.FLOAT4E2M1: "FP4"}
@@ -76,27 +79,29 @@ def main() -> int:
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="activations (default bf16)")
     parser.add_argument("--backend", default="tensorrt", choices=["tensorrt", "onnxruntime"],
                         help="tensorrt (--onnx-only) or onnxruntime (default tensorrt)")
+    parser.add_argument("--pipeline-stages", type=int, default=1, help="target graphs, one per GPU (default 1)")
     args = parser.parse_args()
     bin_dir = Path(sys.executable).parent
-    checkpoint, engine = args.work / args.release, args.work / f"{args.release}-{args.backend}"
+    checkpoint = args.work / args.release
+    engine = args.work / f"{args.release}-{args.backend}-{args.pipeline_stages}"
     args.work.mkdir(parents=True, exist_ok=True)
     if not (checkpoint / "config.json").is_file():
         subprocess.run([bin_dir / "v4build", "make-release", str(checkpoint), "--release", args.release], check=True)
     shutil.rmtree(engine, ignore_errors=True)
     only = ["--onnx-only"] if args.backend == "tensorrt" else []
     wall, peak_mib = timed_build(checkpoint, engine, "--backend", args.backend, *only, "--mtp", str(args.mtp),
-                                 "--dtype", args.dtype)
+                                 "--dtype", args.dtype, "--pipeline-stages", str(args.pipeline_stages))
     manifest = EngineManifest.read(engine)
     ckpt_apparent, ckpt_used = disk_bytes(checkpoint)
     graphs_apparent = sum((engine / g.file).stat().st_size for g in manifest.graphs.values())
     converted = next((w.bytes for w in manifest.weights if w.link == "converted"), 0)
     print(f"\n## {args.release}: v4build --backend {args.backend} {' '.join(only)} --mtp {args.mtp} "
-          f"--dtype {args.dtype}\n")
+          f"--dtype {args.dtype} --pipeline-stages {args.pipeline_stages}\n")
     print("| measure | value |\n|---|---|")
     print(f"| wall time | {wall:.0f} s |")
     print(f"| peak RSS | {peak_mib / 1024:.2f} GiB |")
     stages = ", ".join(f"{k} {v:.0f} s" for k, v in manifest.build["stages"].items())
-    print(f"| stages | {stages} |")
+    print(f"| build steps | {stages} |")
     print(f"| checkpoint | {manifest.checkpoint['tensors']} tensors, {ckpt_apparent / 1e9:.1f} GB apparent, "
           f"{ckpt_used / 2**20:.0f} MiB on disk |")
     sizes = ", ".join(f"{name}.onnx {(engine / g.file).stat().st_size / 2**20:.0f} MiB"
@@ -119,7 +124,33 @@ def main() -> int:
         print(f"| ONNX Runtime | {manifest.compiled.onnxruntime}, loaded on {manifest.compiled.providers_checked} "
               f"{manifest.compiled.not_loaded or ''} |")
     print(f"| runtime's checks of the folder | {runtime_checks(engine)} |")
+    print(stage_table(manifest))
     return 0
+
+
+H200_VISIBLE = 139 * 2**30           # what one H200 exposes (141 GB of HBM3e; the device reports about 139 GiB)
+
+
+def stage_table(manifest: EngineManifest) -> str:
+    """Each pipeline stage: its layers, its weights as the backend holds them, and the room left for its caches."""
+    value_bytes = VALUE_BYTES[manifest.dtype]
+    rows = ["", "| stage | graphs | layers | weights resident | cache bytes per token (+ per sequence) | room left "
+            "on an H200 | tokens of cache that fit |", "|---|---|---|---|---|---|---|"]
+    for entry in manifest.stages:
+        groups = list(entry.layout(manifest.model, value_bytes).groups)
+        if entry.stage.last and manifest.mtp:
+            groups += manifest.caches["draft"].groups
+        per_token = sum(g.bytes_per_token for g in groups)
+        fixed = sum(g.fixed_bytes for g in groups)
+        room = H200_VISIBLE - entry.bytes
+        layers = entry.stage.layers
+        graphs = entry.stage.graph + (" + draft" if entry.stage.last and manifest.mtp else "")
+        rows.append(f"| {entry.stage.index} | {graphs} | {layers.start}-{layers.stop - 1} ({len(layers)}) | "
+                    f"{entry.bytes / 2**30:.1f} GiB | {per_token:,.0f} (+ {fixed / 2**20:.1f} MiB) | "
+                    f"{room / 2**30:.1f} GiB | {max(room, 0) / per_token / 1e6:.1f} M |")
+    sizes = [e.bytes for e in manifest.stages]
+    rows.append(f"\nlargest / smallest stage: {max(sizes) / min(sizes):.2f}")
+    return "\n".join(rows)
 
 
 def runtime_checks(engine: Path) -> str:

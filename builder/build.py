@@ -26,11 +26,12 @@ from v4engine.plugins import DOMAIN, OPSET, onnx_functions
 from v4engine.runtime.backends import BACKENDS, INT8_CODES, STORED_BYTES
 from v4engine.runtime.config import V4Config
 from v4engine.runtime.engine import (ACTIVATION_DTYPES, BUILT_LIMIT_DEFAULTS, FORMAT, MANIFEST, MAX_MTP, VALUE_BYTES,
-                                     EngineManifest, GraphEntry, check_limits)
+                                     EngineManifest, GraphEntry, StageEntry, check_limits)
 from v4engine.runtime.layout import CacheLayout, graph_specs
 from v4engine.runtime.errors import V4EngineError
 from v4engine.runtime.untrusted import read_json
 from v4engine.runtime.staging import Ours, check_destination, staged_folder
+from v4engine.runtime.stages import TARGET, Stage, single_stage
 
 from .backends import QUANTIZED_IN_PLACE, TENSORRT_OPTIMIZATION_LEVEL, compile_engine, preflight, prepare_graph
 from .backends.migraphx import SCRIPT
@@ -38,6 +39,7 @@ from .backends.tensorrt import TIMING_CACHE
 from .checkpoint import checkpoint_file
 from .export import export_graph, split_sequences
 from .load import open_checkpoint
+from .stages import StageError, model_bytes, plan_stages
 from .weights import WeightGroup, WeightWriter, attach_weights, expert_form, serialize_without_data
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -61,6 +63,7 @@ class BuildOptions:
     max_prefill_chunk: int = BUILT_LIMIT_DEFAULTS["max_prefill_chunk"]
     force: bool = False
     progress: bool = True
+    pipeline_stages: int = 1                   # the target split into this many graphs, one per device
     onnx_only: bool = False                    # tensorrt: prepare the graphs, build no engines
     builder_optimization_level: int = TENSORRT_OPTIMIZATION_LEVEL        # tensorrt
     timing_cache: Path | None = None           # tensorrt: reused across builds (default: one in the engine)
@@ -103,6 +106,8 @@ def _check_output(options: BuildOptions) -> None:
         raise BuildError(f"--mtp must be from 0 to {MAX_MTP} (got {options.mtp})")
     if options.backend not in BACKENDS:
         raise BuildError(f"--backend must be one of {', '.join(BACKENDS)} (got {options.backend!r})")
+    if not isinstance(options.pipeline_stages, int) or options.pipeline_stages < 1:
+        raise BuildError(f"--pipeline-stages must be 1 or more (got {options.pipeline_stages})")
     if options.onnx_only and options.backend != "tensorrt":
         raise BuildError(f"--onnx-only applies to --backend tensorrt (got --backend {options.backend})")
 
@@ -130,11 +135,11 @@ class StageClock:
         self._last = now
 
 
-def _write_graph(tmp: Path, name: str, options: BuildOptions, cfg, ckpt, writer: WeightWriter, clock: StageClock
-                 ) -> tuple[dict[str, int], dict[str, WeightGroup], Any]:
-    """Export, attach weights, prepare for the backend, check and save one graph: (weight counts, bytes by weight
-    group, what the backend's preparation recorded)."""
-    proto = exported_graph(cfg, name == "draft", options)
+def _write_graph(tmp: Path, name: str, options: BuildOptions, cfg, ckpt, writer: WeightWriter, clock: StageClock,
+                 stage: Stage | None) -> tuple[dict[str, int], dict[str, WeightGroup], Any]:
+    """Export, attach weights, prepare for the backend, check and save one graph (the draft, or a stage of the
+    target): (weight counts, bytes by weight group, what the backend's preparation recorded)."""
+    proto = exported_graph(cfg, stage, options)
     clock.lap("export")
     counts, groups = attach_weights(proto, ckpt, cfg, writer, BACKENDS[options.backend])
     add_functions(proto)
@@ -149,20 +154,21 @@ def _write_graph(tmp: Path, name: str, options: BuildOptions, cfg, ckpt, writer:
 
 
 _EXPORTED: dict[tuple, bytes] = {}         # this process's last few exports, serialized
-_EXPORTS_KEPT = 4
+_EXPORTS_KEPT = 8
 
 
-def exported_graph(cfg: V4Config, draft: bool, options: BuildOptions) -> onnx.ModelProto:
-    """The exported target or draft graph, serialized without data, its sequence splits made Splits; a fresh copy
-    from this process's cache when it exported the same before. An export depends only on the model config, the
-    graph, dtype, limits and k, never on the weights, and costs tens of seconds per graph even for a tiny model:
-    a process that builds one model again (another weight format or backend; the tests) skips it."""
-    key = (json.dumps(cfg.to_dict(), sort_keys=True), draft, options.dtype, options.max_batch, options.max_seq_len,
+def exported_graph(cfg: V4Config, stage: Stage | None, options: BuildOptions) -> onnx.ModelProto:
+    """The exported draft graph (stage None) or target stage graph, serialized without data, its sequence splits made
+    Splits; a fresh copy from this process's cache when it exported the same before. An export depends only on the
+    model config, the graph, dtype, limits and k, never on the weights, and costs tens of seconds per graph even for
+    a tiny model: a process that builds one model again (another weight format or backend; the tests) skips it."""
+    draft = stage is None
+    key = (json.dumps(cfg.to_dict(), sort_keys=True), stage, options.dtype, options.max_batch, options.max_seq_len,
            options.mtp if draft else 0)
     if key not in _EXPORTED:
         proto = serialize_without_data(export_graph(cfg, draft=draft, dtype=DTYPES[options.dtype],
                                                     max_batch=options.max_batch, max_seq_len=options.max_seq_len,
-                                                    mtp=options.mtp))
+                                                    mtp=options.mtp, stage=stage))
         split_sequences(proto.graph)
         while len(_EXPORTED) >= _EXPORTS_KEPT:
             _EXPORTED.pop(next(iter(_EXPORTED)))
@@ -212,6 +218,17 @@ def _experts(expert_dtype: str | None, backend: str) -> str:
     return f"{name} routed experts dequantized to the activation dtype into weights/converted.bin"
 
 
+def _stages(options: BuildOptions, cfg: V4Config, ckpt) -> list[Stage]:
+    """The target's pipeline stages: one, or --pipeline-stages of about equal resident bytes (builder/stages.py)."""
+    if options.pipeline_stages == 1:
+        return single_stage(cfg.num_hidden_layers)
+    try:
+        sizes = model_bytes(cfg, ckpt, BACKENDS[options.backend], DTYPES[options.dtype], options.mtp > 0)
+        return plan_stages(sizes, options.pipeline_stages, options.mtp > 0)
+    except StageError as e:
+        raise BuildError(str(e)) from None
+
+
 def build(options: BuildOptions) -> EngineManifest:
     """Build the engine directory options.output; returns its manifest."""
     started = time.perf_counter()
@@ -220,33 +237,38 @@ def build(options: BuildOptions) -> EngineManifest:
     preflight(options)
     cfg, ckpt = open_checkpoint(options.checkpoint, mtp=options.mtp > 0)
     check_limits(dataclasses.asdict(options), cfg, "v4build", BuildError)
+    stages = _stages(options, cfg, ckpt)
     clock.lap("checkpoint")
     with staged_folder(options.output, "building", options.force, ENGINE_FOLDER) as tmp:
         writer = WeightWriter(tmp)
         try:
-            parts = ["target"] + (["draft"] if options.mtp > 0 else [])
+            parts: dict[str, Stage | None] = {s.graph: s for s in stages} | ({"draft": None} if options.mtp else {})
             treatment: dict[str, int] = {}
             prepared: dict[str, Any] = {}
             weight_groups: dict[str, dict[str, Any]] = {}
-            for name in tqdm(parts, desc="export", unit="graph", disable=not options.progress):
-                counts, groups, prepared[name] = _write_graph(tmp, name, options, cfg, ckpt, writer, clock)
+            resident: dict[str, int] = {}           # bytes of each graph's weights, as its backend holds them
+            for name, stage in tqdm(parts.items(), desc="export", unit="graph", disable=not options.progress):
+                counts, groups, prepared[name] = _write_graph(tmp, name, options, cfg, ckpt, writer, clock, stage)
                 weight_groups[name] = {group: dataclasses.asdict(g) for group, g in sorted(groups.items())}
+                resident[name] = sum(sum(g.resident.values()) for g in groups.values())
                 for k, v in counts.items():
                     treatment[k] = treatment.get(k, 0) + v
             weights = writer.close()
             tokenizer = [f for f in TOKENIZER_FILES if (options.checkpoint / f).is_file()]
             for f in tokenizer:                      # only files inside the checkpoint folder are copied
                 shutil.copyfile(checkpoint_file(options.checkpoint, f, str(options.checkpoint)), tmp / f)
-            graphs, caches = {}, {}
-            for name in parts:
-                inputs, outputs = graph_specs(cfg, draft=name == "draft", dtype=ACTIVATION_DTYPES[options.dtype],
-                                              mtp=options.mtp)
+            graphs = {}
+            for name, stage in parts.items():
+                inputs, outputs = graph_specs(cfg, draft=stage is None, dtype=ACTIVATION_DTYPES[options.dtype],
+                                              mtp=options.mtp, stage=stage)
                 graphs[name] = GraphEntry(f"{name}.onnx", tuple(inputs), tuple(outputs))
-                caches[name] = CacheLayout(cfg, name == "draft", VALUE_BYTES[options.dtype])
+            caches = {part: CacheLayout(cfg, part == "draft", VALUE_BYTES[options.dtype])
+                      for part in [TARGET] + (["draft"] if options.mtp else [])}
+            pipeline = [StageEntry(s, resident[s.graph] + (resident.get("draft", 0) if s.last else 0)) for s in stages]
             experts = _experts(cfg.expert_dtype, options.backend)
             manifest = EngineManifest(
                 model=cfg, backend=options.backend, mtp=options.mtp, dtype=options.dtype, graphs=graphs,
-                caches=caches, weights=weights, experts=experts, tokenizer=tokenizer,
+                caches=caches, weights=weights, experts=experts, stages=pipeline, tokenizer=tokenizer,
                 checkpoint={"path": str(options.checkpoint.resolve()), "fingerprint": ckpt.fingerprint(),
                             "tensors": len(ckpt.names()), "scheme": ckpt.scheme},
                 tools=_versions(),

@@ -1,10 +1,10 @@
 """The `v4build` command line.
 
-    v4build --checkpoint DIR --output OUT [--mtp K] [--backend onnxruntime] [--dtype fp32] ...
+    v4build --checkpoint DIR --output OUT [--mtp K] [--backend onnxruntime] [--dtype fp32] [--pipeline-stages N] ...
     v4build make-tiny OUT [--config NAME] [--quantize fp8|mxfp4] [--names official|hf] ...
     v4build make-release OUT [--release v4-flash|v4-pro] [--shards N]
     v4build check --checkpoint DIR [--mtp K]
-    v4build triton-repo ENGINE_DIR OUT [--gpu] [--max-batch N] [--max-queue-size N] [--instance-count N] [--force]
+    v4build triton-repo ENGINE_DIR OUT [--gpu | --gpus 0,1] [--max-batch N] [--max-queue-size N] [--instance-count N] [--force]
 
 Every failure prints one line naming the file, tensor or field at fault and exits non-zero.
 """
@@ -19,6 +19,7 @@ from v4engine.runtime.backends import BACKENDS
 from v4engine.runtime.engine import BUILT_LIMIT_DEFAULTS
 from v4engine.runtime.errors import V4EngineError
 from v4engine.runtime.staging import Interrupted, signals_as_exceptions
+from v4engine.runtime.stages import gpu_list
 
 from .backends import TENSORRT_OPTIMIZATION_LEVEL
 
@@ -60,7 +61,8 @@ def _build(args: argparse.Namespace) -> None:
     manifest = build(BuildOptions(checkpoint=args.checkpoint, output=args.output, mtp=args.mtp, backend=args.backend,
                                   dtype=args.dtype, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
                                   max_prefill_chunk=args.max_prefill_chunk, force=args.force, progress=not args.quiet,
-                                  onnx_only=args.onnx_only, builder_optimization_level=args.builder_optimization_level,
+                                  pipeline_stages=args.pipeline_stages, onnx_only=args.onnx_only,
+                                  builder_optimization_level=args.builder_optimization_level,
                                   timing_cache=args.timing_cache))
     print(summary(args.output, manifest))
 
@@ -68,10 +70,12 @@ def _build(args: argparse.Namespace) -> None:
 def _triton_repo(args: argparse.Namespace) -> None:
     from v4engine.triton_repo import render
 
+    gpus = gpu_list(args.gpus, "--gpus") if args.gpus is not None else []
     out = render(args.engine_dir, args.out, gpu=args.gpu, max_batch=args.max_batch,
-                 max_queue_size=args.max_queue_size, instance_count=args.instance_count, force=args.force)
+                 max_queue_size=args.max_queue_size, instance_count=args.instance_count, gpus=gpus, force=args.force)
+    where = f"GPUs {args.gpus}" if gpus else "GPU" if args.gpu else "CPU"
     print(f"wrote the Triton model repository for {args.engine_dir} to {out} "
-          f"({'GPU' if args.gpu else 'CPU'}): preprocessing, v4_generate, postprocessing, ensemble")
+          f"({where}): preprocessing, v4_generate, postprocessing, ensemble")
 
 
 def summary(out: Path, manifest) -> str:
@@ -91,7 +95,13 @@ def summary(out: Path, manifest) -> str:
         stored, resident = (sum(n for g in groups.values() for n in g[side].values()) for side in ("stored", "resident"))
         lines.append(f"  {graph} weights: {mb(stored)} stored, {mb(resident)} once loaded "
                      f"({resident / max(stored, 1):.2f}x; engine.json build.weight_groups has them by group)")
-    lines.append("  stages: " + ", ".join(f"{k} {v:.1f} s" for k, v in manifest.build.get("stages", {}).items()))
+    if len(manifest.stages) > 1:
+        for entry in manifest.stages:
+            layers = entry.stage.layers
+            lines.append(f"  pipeline stage {entry.stage.index} ({entry.stage.graph}"
+                         f"{' + draft' if entry.stage.last and manifest.mtp else ''}): layers {layers.start}-"
+                         f"{layers.stop - 1}, {mb(entry.bytes)} of weights once loaded")
+    lines.append("  build steps: " + ", ".join(f"{k} {v:.1f} s" for k, v in manifest.build.get("stages", {}).items()))
     for part, layout in manifest.caches.items():
         per_token = sum(g.bytes_per_token for g in layout.groups)
         fixed = sum(g.fixed_bytes for g in layout.groups)
@@ -130,6 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prefill-chunk", type=int, default=limits["max_prefill_chunk"],
                    help="most prompt tokens per engine call; the runtime prefills in chunks of this size, and "
                    f"TensorRT's prefill profile ends there (default {limits['max_prefill_chunk']})")
+    p.add_argument("--pipeline-stages", type=int, default=1, metavar="N",
+                   help="split the target's layers into N graphs of about equal resident weight bytes, one per device "
+                   "(the embedding in the first, the head and the MTP draft graph with the last); engine.json lists "
+                   "each stage's layers, bytes and cache groups; run with v4generate --devices (default 1)")
     p.add_argument("--onnx-only", action="store_true", help="tensorrt: prepare the graphs for TensorRT (plugin "
                    "nodes, profiles, engine.json) and stop before building engines; needs no TensorRT")
     p.add_argument("--builder-optimization-level", type=int, choices=range(6),
@@ -204,8 +218,12 @@ def tools_parser() -> argparse.ArgumentParser:
                        "v4engine from the server's Python environment; the engine is referenced by its path.")
     r.add_argument("engine_dir", type=Path, help="engine directory built by v4build (with its tokenizer.json)")
     r.add_argument("out", type=Path, help="repository folder to create (written beside it, renamed at the end)")
-    r.add_argument("--gpu", action="store_true", help="v4_generate on KIND_GPU instances, the engine opened with "
-                   "ONNX Runtime's CUDA provider (default: KIND_CPU)")
+    placement = r.add_mutually_exclusive_group()
+    placement.add_argument("--gpu", action="store_true", help="v4_generate on KIND_GPU instances, the engine opened "
+                           "with ONNX Runtime's CUDA provider (default: KIND_CPU)")
+    placement.add_argument("--gpus", default=None, metavar="0,1,...", help="each v4_generate instance spans these "
+                           "GPUs, one per pipeline stage of the engine (v4build --pipeline-stages; KIND_MODEL "
+                           "instances: stage i on the i-th GPU listed)")
     r.add_argument("--max-batch", type=int, default=None, help="requests generating together in one scheduler "
                    "(default: the largest batch the engine was built for)")
     r.add_argument("--max-queue-size", type=int, default=32, help="requests that may wait for a batch slot; "

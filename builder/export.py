@@ -28,6 +28,7 @@ from torch.export import Dim
 from v4engine.plugins import OPSET
 from v4engine.runtime.config import SLIDING, V4Config
 from v4engine.runtime.layout import CacheLayout, TensorSpec, graph_specs
+from v4engine.runtime.stages import Stage, single_stage
 
 from .model import LayerCache, Transformer
 from .model.drafting import draft_cycle
@@ -36,19 +37,21 @@ from .model.rope import inv_freq
 
 
 class _Graph(nn.Module):
-    """Flat tensors in and out around Transformer.forward (target) or drafting.draft_cycle (draft)."""
+    """Flat tensors in and out around a pipeline stage of Transformer (target) or drafting.draft_cycle (draft)."""
 
-    def __init__(self, model: Transformer, draft: bool):
+    def __init__(self, model: Transformer, draft: bool, stage: Stage):
         super().__init__()
-        self.model, self.draft = model, draft
-        layout = CacheLayout(model.cfg, draft)
+        self.model, self.draft, self.stage = model, draft, stage
+        layout = CacheLayout(model.cfg, draft, layers=None if draft else stage.layers)
         self.groups, self.paged = layout.groups, layout.paged
 
     def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.draft:
             hidden, input_ids, positions, lengths, temperature, top_k, top_p, uniforms, slots, *pools = args
-        else:
+        elif self.stage.first:
             input_ids, positions, slots, *pools = args
+        else:
+            hidden, input_ids, positions, slots, *pools = args
         reader = PoolReader(slots, positions[:, 0], pools.pop(0) if self.paged else None)
         caches: dict[int, LayerCache] = {}
         for group, pool in zip(self.groups, pools):
@@ -59,8 +62,11 @@ class _Graph(nn.Module):
             cycle = draft_cycle(self.model, hidden, input_ids, positions, lengths, layers[0], temperature, top_k,
                                 top_p, uniforms)
             return (cycle.drafts, cycle.probs, *(getattr(cycle.delta, g.name) for g in self.groups))
-        out = self.model(input_ids, positions, layers)
-        return (out.logits, out.hidden, *(getattr(out.deltas[g.layer], g.name) for g in self.groups))
+        stage, model = self.stage, self.model
+        x = model.embedded_streams(input_ids) if stage.first else hidden
+        x, deltas = model.run_layers(x, input_ids, positions, layers, stage.layers)
+        new = [getattr(deltas[g.layer - stage.layers.start], g.name) for g in self.groups]
+        return (*([model.logits(x)] if stage.last else []), x, *new)
 
 
 def _example(spec: TensorSpec, sizes: dict[str, int]) -> torch.Tensor:
@@ -78,13 +84,14 @@ def rope_table(cfg: V4Config, initializer: str) -> torch.Tensor | None:
 
 
 def export_graph(cfg: V4Config, draft: bool, dtype: torch.dtype = torch.float32, max_batch: int = 64,
-                 max_seq_len: int = 4096, mtp: int = 0) -> ir.Model:
-    """The target graph, or the draft graph of k = mtp drafts per call, as an onnx_ir Model whose checkpoint
-    initializers have no data yet."""
+                 max_seq_len: int = 4096, mtp: int = 0, stage: Stage | None = None) -> ir.Model:
+    """The target graph (or one pipeline stage of it), or the draft graph of k = mtp drafts per call, as an onnx_ir
+    Model whose checkpoint initializers have no data yet (and which holds only the initializers it reads)."""
     dtype_name = str(dtype).removeprefix("torch.")
+    stage = stage or single_stage(cfg.num_hidden_layers)[0]
     with torch.device("meta"):                               # no weight memory, whatever the model size
         model = Transformer(cfg, mtp=draft).stack_experts().to_dtype(dtype).eval()
-    inputs, outputs = graph_specs(cfg, draft, dtype_name, mtp)
+    inputs, outputs = graph_specs(cfg, draft, dtype_name, mtp, None if draft else stage)
     max_blocks = CacheLayout(cfg, draft).table_blocks(max_seq_len)
     dims = {"batch": Dim("batch", min=1, max=max_batch), "seq": Dim("seq", min=1, max=max_seq_len),
             "blocks": Dim("blocks", min=0, max=max_blocks), "pool_slots": Dim("pool_slots", min=1),
@@ -97,7 +104,7 @@ def export_graph(cfg: V4Config, draft: bool, dtype: torch.dtype = torch.float32,
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)  # torchvision absent
     with warnings.catch_warnings():     # the exporter's own deprecation chatter; our checks follow the export
         warnings.simplefilter("ignore")
-        program = torch.onnx.export(_Graph(model, draft).eval(), examples, dynamo=True, opset_version=OPSET,
+        program = torch.onnx.export(_Graph(model, draft, stage).eval(), examples, dynamo=True, opset_version=OPSET,
                                     optimize=False, input_names=[s.name for s in inputs],
                                     output_names=[s.name for s in outputs], dynamic_shapes=(dynamic,), verbose=False)
     return program.model

@@ -58,6 +58,8 @@ _ONNX_TYPE = {"F32": TensorProto.FLOAT, "F16": TensorProto.FLOAT16, "BF16": Tens
               "F8_E4M3": TensorProto.FLOAT8E4M3FN, "F8_E5M2": TensorProto.FLOAT8E5M2}
 _TORCH_OF_ONNX = {TensorProto.FLOAT: torch.float32, TensorProto.FLOAT16: torch.float16,
                   TensorProto.BFLOAT16: torch.bfloat16}
+ONNX_OF_TORCH = {**{t: o for o, t in _TORCH_OF_ONNX.items()}, torch.int64: TensorProto.INT64,
+                 torch.int32: TensorProto.INT32}          # a model parameter's type as its exported initializer's
 _BITS = {2: torch.int16, 4: torch.int32}          # reinterpret floats as bits numpy can hold (bf16 has no numpy type)
 CONVERTED = "weights/converted.bin"
 ALIGN = 64
@@ -183,13 +185,16 @@ def weight_group(name: str) -> str:
     return "other"
 
 
+GATHERED_TABLES = re.compile(r"^embed\.weight$|\.gate\.tid2eid$")     # the checkpoint tensors graphs only index
+
 _GROUPS = ((r"\.ffn\.experts\.", "routed experts"), (r"\.ffn\.shared_experts\.", "shared experts"),
            (r"\.attn\.", "attention"), (r"^embed\.", "embedding"), (r"^head\.", "head"),
            (r"\.(e_proj|h_proj)\.", "MTP projections"))
 
 
-_ACTIVATION_TYPES = {TensorProto.FLOAT: ("float32", 4), TensorProto.FLOAT16: ("float16", 2),
-                     TensorProto.BFLOAT16: ("bfloat16", 2)}
+_LOADED_TYPES = {TensorProto.FLOAT: ("float32", 4), TensorProto.FLOAT16: ("float16", 2),
+                 TensorProto.BFLOAT16: ("bfloat16", 2), TensorProto.INT64: ("int64", 8),
+                 TensorProto.INT32: ("int32", 4)}     # what a weight is made into at load, and its width
 
 
 def group_bytes(info: TensorInfo) -> int:
@@ -202,7 +207,7 @@ def resident_form(treatment: str, backend: Backend, stored: int, elements: int, 
     bytes, memory-mapped; cast or dequantized: the activation dtype, made at load (where the backend folds the
     DequantizeLinear of constants, `dequantizes_at_load`; elsewhere FP8 stays FP8); int8 codes: a byte per weight and
     an fp32 scale per 32."""
-    dtype, size = _ACTIVATION_TYPES.get(data_type, ("", 0))
+    dtype, size = _LOADED_TYPES.get(data_type, ("", 0))
     width = elements * size
     if treatment in ("in place", "in place, gathered rows cast", "fp4 in place + dequantize") or (
             treatment == "fp8 in place + dequantize" and not backend.dequantizes_at_load):
@@ -216,6 +221,25 @@ def resident_form(treatment: str, backend: Backend, stored: int, elements: int, 
     if treatment == "converted":
         return f"{dtype}, memory-mapped from converted.bin", width
     return f"{dtype}, made at load", width
+
+
+def tensor_treatment(info: TensorInfo, backend: Backend, data_type: int, gathered: bool) -> str:
+    """How a checkpoint tensor (not a stacked routed expert) becomes a graph initializer of `data_type`: one of
+    TREATMENTS. gathered: the graph only gathers its rows (an embedding)."""
+    if info.format != "plain" and info.format not in backend.quantized_in_place:
+        return "converted"
+    if info.format == "plain":
+        if _ONNX_TYPE[info.dtype] == data_type:
+            return "in place"
+        return "in place, gathered rows cast" if gathered else "in place + cast"
+    return "fp8 in place + dequantize" if info.format == "fp8_block" else "fp4 in place + dequantize"
+
+
+def expert_treatment(form: str, fmt: str) -> str:
+    """The treatment of a layer's quantized routed experts kept in `form` (expert_form: INT8_CODES, STORED_BYTES)."""
+    if form == INT8_CODES:
+        return "fp4 in place + int8 codes"
+    return "fp4 in place, bytes for the kernel" if fmt == "mxfp4" else "fp8 in place, bytes for the kernel"
 
 
 class _Attacher:
@@ -235,31 +259,28 @@ class _Attacher:
         """`out` (of `shape` and `data_type`) from the checkpoint tensor `info` (same values, maybe a leading 1).
         gathered: the graph only gathers rows of `out` (an embedding); a plain tensor stored in another type then
         stays as stored and the gathered rows are cast (`cast_rows`), not the whole table."""
-        if info.format != "plain" and info.format not in self.backend.quantized_in_place:   # dequantized here
+        treatment = tensor_treatment(info, self.backend, data_type, gathered)
+        if treatment == "converted":                            # dequantized here
             values = self.ckpt.load(info.name, dtype=_TORCH_OF_ONNX[data_type]).reshape(shape)
             self.initializers.append(_external(out, data_type, shape,
                                                *self.writer.convert(values.view(_BITS[values.element_size()]).numpy())))
-            treatment = "converted"
-        elif info.format == "plain" and gathered and _ONNX_TYPE[info.dtype] != data_type:
+        elif treatment == "in place, gathered rows cast":
             self.cast_rows[out] = (self._in_place(f"{out}.stored", _ONNX_TYPE[info.dtype], shape, info), data_type)
-            treatment = "in place, gathered rows cast"
-        elif info.format == "plain":
+        elif treatment in ("in place", "in place + cast"):
             stored = _ONNX_TYPE[info.dtype]
-            as_stored = self._in_place(out if stored == data_type else f"{out}.stored", stored, shape, info)
-            treatment = "in place" if self._cast(as_stored, out, data_type) else "in place + cast"
-        elif info.format == "fp8_block":
+            self._cast(self._in_place(out if stored == data_type else f"{out}.stored", stored, shape, info), out,
+                       data_type)
+        elif treatment == "fp8 in place + dequantize":
             rows = fp8_scale_rows(self.ckpt, info)
             scale = _external(f"{out}.scale", TensorProto.FLOAT, shape[:-1] + rows.shape[-1:],
                               *self.writer.convert(rows))
             self.initializers.append(scale)
             q = self._in_place(f"{out}.fp8", _ONNX_TYPE[info.dtype], shape, info)
             self._dequantize(q, scale.name, out, len(shape) - 1, FP8_BLOCK, data_type)
-            treatment = "fp8 in place + dequantize"
         else:   # mxfp4: e2m1 codes as FLOAT4E2M1 (low nibble first, as ONNX packs them)
             q = self._in_place(f"{out}.fp4", TensorProto.FLOAT4E2M1, shape, info)
             scale = self._e8m0_scale(f"{out}.scale", info.scale, shape[:-1] + (shape[-1] // MXFP4_BLOCK,))
             self._dequantize(q, scale, out, len(shape) - 1, MXFP4_BLOCK, data_type)
-            treatment = "fp4 in place + dequantize"
         self._account(treatment, [info], math.prod(shape), data_type)
 
     def stacked(self, out: str, infos: list[TensorInfo], shape: tuple[int, ...], data_type: int) -> None:
@@ -290,8 +311,7 @@ class _Attacher:
             self._powers_of_two(f"{out}.e8m0", f"{out}.mxfp4_scale", bias=127.0)
         else:
             self.nodes.append(helper.make_node("Concat", scales, [f"{out}.fp8_scale"], axis=0))
-        treatment = "fp4 in place, bytes for the kernel" if fmt == "mxfp4" else "fp8 in place, bytes for the kernel"
-        self._account(treatment, infos, math.prod(shape), TensorProto.INT8)
+        self._account(expert_treatment(STORED_BYTES, fmt), infos, math.prod(shape), TensorProto.INT8)
 
     def int8_codes(self, out: str, experts: list[list[TensorInfo]], rows: int, cols: int) -> None:
         """MXFP4 experts as an exact int8 MoE's uint8 codes `out.codes` [E, rows, cols] (zero point 128) and fp32
@@ -319,8 +339,8 @@ class _Attacher:
                        helper.make_node("Reshape", [f"{out}.pairs", codes_shape], [f"{out}.codes"])]
         self._powers_of_two(e8m0, f"{out}.scales", bias=128.0)
         everything = [info for infos in experts for info in infos]
-        self._account("fp4 in place + int8 codes", everything, len(everything) * rows * cols // len(experts),
-                      TensorProto.UINT8)
+        self._account(expert_treatment(INT8_CODES, "mxfp4"), everything,
+                      len(everything) * rows * cols // len(experts), TensorProto.UINT8)
 
     def _interleave(self, values: list[str], out: str, shape: tuple[int, int, int]) -> str:
         """The rows of `values` ([E, rows / n, width] each) interleaved into `out` [E, rows, width]; one value is
@@ -338,11 +358,10 @@ class _Attacher:
         self.initializers.append(tensor)
         self.counts["inline"] += 1
 
-    def _cast(self, source: str, out: str, data_type: int) -> bool:
-        """`out` as `source` cast to data_type; whether it is `source` itself (no Cast)."""
+    def _cast(self, source: str, out: str, data_type: int) -> None:
+        """`out` as `source` cast to data_type (nothing when `out` is `source` itself)."""
         if source != out:
             self.nodes.append(helper.make_node("Cast", [source], [out], to=data_type))
-        return source == out
 
     def _dequantize(self, q: str, scale: str, out: str, axis: int, block: int, data_type: int) -> None:
         dq_out = out if data_type == TensorProto.FLOAT else f"{out}.dq"
@@ -481,7 +500,8 @@ def attach_weights(proto: onnx.ModelProto, ckpt: Checkpoint, cfg: V4Config, writ
 
 
 def _gathered_only(graph: onnx.GraphProto) -> set[str]:
-    """Initializers the graph reads only as the data of Gather nodes (embedding tables)."""
+    """Initializers the graph reads only as the data of Gather nodes (the embedding, hash routing's tid2eid:
+    GATHERED_TABLES, which builder/stages.py names without a graph)."""
     readers: dict[str, set[bool]] = {}
     for node in graph.node:
         for i, value in enumerate(node.input):

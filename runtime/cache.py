@@ -19,6 +19,7 @@ partial last block, which no reader of the entry sees (a fork copies the block a
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -39,10 +40,13 @@ class CachePool:
     budget costs memory only as blocks are used; device pools are allocated whole (the budget is capped by the
     device's free memory)."""
 
-    def __init__(self, layout: CacheLayout, slots: int, blocks: int, storage: PoolArrays):
-        self.layout, self.groups, self.storage = layout, layout.groups, storage
-        self.arrays = {g.pool: storage.zeros((blocks, g.block_rows, g.width) if g.ratio else (slots, g.rows_fixed, g.width))
-                       for g in self.groups}
+    def __init__(self, layout: CacheLayout, slots: int, blocks: int, storage: PoolArrays | Mapping[str, PoolArrays]):
+        """storage: where every group's pool lives, or where each does by pool name (a pipeline's stages keep their
+        layers' pools on their own devices, runtime/sessions/pipeline.py)."""
+        self.layout, self.groups = layout, layout.groups
+        self.storage_of = {g.pool: storage[g.pool] if isinstance(storage, Mapping) else storage for g in self.groups}
+        self.arrays = {g.pool: self.storage_of[g.pool].zeros((blocks, g.block_rows, g.width) if g.ratio
+                                                             else (slots, g.rows_fixed, g.width)) for g in self.groups}
         self._free_slots = list(range(slots - 1, -1, -1))
         self._free_blocks = list(range(blocks - 1, -1, -1))
         self.refs = np.zeros(blocks, np.int64)
@@ -89,7 +93,8 @@ class CachePool:
     # ------------------------------------------------------------------ a call's inputs
     def flush(self) -> None:
         """Write the rows commits left pending (device pools defer them, one write per pool and step)."""
-        self.storage.flush()
+        for storage in {id(s): s for s in self.storage_of.values()}.values():
+            storage.flush()
 
     def copy_block(self, source: int, target: int) -> None:
         """Every growing group's rows of block `source` into block `target` (a prefix fork's partial block)."""
@@ -155,11 +160,11 @@ class SequenceCache:
                 count = len(rows)
                 if count:
                     index = (np.array(self.blocks, np.int64)[rows // g.block_rows], rows % g.block_rows)
-                    self.pool.storage.write(pool, index, new[:count])
+                    self.pool.storage_of[g.pool].write(pool, index, new[:count])
             else:      # only the last ring-size positions survive a long chunk: write just those, once each
                 count = min(n, g.rows_fixed)
                 index = (np.full(count, self.slot), np.arange(self.length + n - count, self.length + n) % g.rows_fixed)
-                self.pool.storage.write(pool, index, new[n - count:n])
+                self.pool.storage_of[g.pool].write(pool, index, new[n - count:n])
             self.pool.bytes_written += count * g.width * pool.itemsize
         self.length += n
 
@@ -171,7 +176,8 @@ class SequenceCache:
         """A copy of this sequence's rings (its fixed groups' slot rows), where the pools are: a prefix snapshot
         (runtime/prefix_cache)."""
         self.pool.flush()
-        return {g.pool: self.pool.storage.clone(self.pool.arrays[g.pool][self.slot]) for g in self.groups if not g.ratio}
+        return {g.pool: self.pool.storage_of[g.pool].clone(self.pool.arrays[g.pool][self.slot])
+                for g in self.groups if not g.ratio}
 
     def restore_rings(self, rows: dict[str, Any]) -> None:
         self.pool.flush()        # a pending write to this slot (its previous owner's) must not land after these

@@ -1,7 +1,7 @@
 """The `v4generate` command line: generate from an engine directory with MTP drafting.
 
     v4generate ENGINE_DIR --prompt TEXT | --prompt-ids 1,2,3 [--max-new-tokens N] [--temperature T]
-               [--top-p P] [--top-k K] [--seed S] [--mtp K] [--stream] [--json]
+               [--top-p P] [--top-k K] [--seed S] [--mtp K] [--devices 0,1] [--stream] [--json]
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from .detokenize import IncrementalDetokenizer
 from .errors import V4EngineError
 from .generator import Generator
 from .sampling import SamplingParams
+from .stages import gpu_list
 
 
 def parser() -> argparse.ArgumentParser:
@@ -32,6 +33,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--mtp", type=int, default=None, help="draft tokens per step (0..the engine's k; default: k)")
+    p.add_argument("--devices", default=None, help="GPU of each pipeline stage, comma-separated, e.g. 0,1 for an engine "
+                   "built with --pipeline-stages 2 (one per stage; the draft runs on the last stage's); default: every "
+                   "stage where the backend runs by default (the CPU for ONNX Runtime)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     p.add_argument("--stream", action="store_true", help="print tokens as they are accepted")
     p.add_argument("--json", action="store_true", help="print one JSON object: token_ids, text, metrics")
@@ -64,7 +68,9 @@ def run(args: argparse.Namespace) -> int:
             prompt = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
         except ValueError:
             raise V4EngineError(f"--prompt-ids must be comma-separated integers (got {args.prompt_ids!r})") from None
-    generator = Generator.from_engine_dir(args.engine_dir, mtp=args.mtp, share_threads=True)   # our own process
+    devices = gpu_list(args.devices, "--devices") if args.devices is not None else None
+    generator = Generator.from_engine_dir(args.engine_dir, mtp=args.mtp, share_threads=True,   # our own process
+                                          devices=devices)
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
     if args.stream and not args.json:       # text pieces never split a character nor show a stop string

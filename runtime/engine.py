@@ -21,12 +21,14 @@ from .config import V4Config
 from .engine_folder import MANIFEST, EngineFolder, EngineFormatError, WeightFile
 from .errors import ConfigError
 from .layout import CacheGroup, CacheLayout, TensorSpec, graph_specs
+from .stages import TARGET, Stage
 from .untrusted import JsonFields, parse_json, shown
 
 FORMAT = "v4engine"
-FORMAT_VERSION = 5          # 2: linked checkpoint files carry their header's SHA-256; 3: cache groups list view_rows;
+FORMAT_VERSION = 6          # 2: linked checkpoint files carry their header's SHA-256; 3: cache groups list view_rows;
                             # 4: the draft graph runs a whole draft cycle (k drafts per call); 5: the graphs read the
-                            # runtime's cache pools through slots and a block table (rings without spare rows)
+                            # runtime's cache pools through slots and a block table (rings without spare rows);
+                            # 6: the target may be split into pipeline stages (`pipeline`)
 # Serving limits a build records in engine.json (build.*), and what they are when an engine does not say.
 BUILT_LIMIT_DEFAULTS = {"max_batch": 8, "max_seq_len": 4096, "max_prefill_chunk": 512}
 MAX_BATCH = 4096            # the largest --max-batch a build accepts and engine.json may record
@@ -53,9 +55,28 @@ class GraphEntry:
     outputs: tuple[TensorSpec, ...]
 
 
+@dataclass(frozen=True)
+class StageEntry:
+    """One pipeline stage as engine.json lists it: which layers, and the resident bytes of its weights (its graph's,
+    and for the last stage of a drafting engine, the draft graph's too: they run on the same device)."""
+
+    stage: Stage
+    bytes: int
+
+    def layout(self, cfg: V4Config, value_bytes: int) -> CacheLayout:
+        """The cache groups its graph reads and writes: its layers'."""
+        return CacheLayout(cfg, False, value_bytes, layers=self.stage.layers)
+
+    def to_json(self, cfg: V4Config, value_bytes: int, draft: bool) -> dict[str, Any]:
+        return {"graph": self.stage.graph, "layers": list(self.stage.layers), "bytes": self.bytes,
+                "cache_groups": [g.pool for g in self.layout(cfg, value_bytes).groups],
+                "draft": "draft" if draft and self.stage.last else None}
+
+
 @dataclass
 class EngineManifest:
-    """Everything engine.json says. `caches` holds the cache layout of the target and of the draft."""
+    """Everything engine.json says. `caches` holds the cache layout of the target (all layers) and of the draft;
+    `stages` the target's pipeline stages (one, `target`, unless the build split it)."""
 
     model: V4Config
     backend: str
@@ -65,6 +86,7 @@ class EngineManifest:
     caches: dict[str, CacheLayout]
     weights: list[WeightFile]
     experts: str
+    stages: list[StageEntry]
     tokenizer: list[str] = field(default_factory=list)
     checkpoint: dict[str, Any] = field(default_factory=dict)
     tools: dict[str, str] = field(default_factory=dict)
@@ -75,6 +97,20 @@ class EngineManifest:
     def limits(self) -> dict[str, int]:
         """The serving limits the engine was built for (engine.json build; an engine without them, the defaults)."""
         return {name: int(self.build.get(name, default)) for name, default in BUILT_LIMIT_DEFAULTS.items()}
+
+    @property
+    def stage_graphs(self) -> list[str]:
+        """The target's graphs, in pipeline order."""
+        return [entry.stage.graph for entry in self.stages]
+
+    def stage_of(self, graph: str) -> Stage | None:
+        """The pipeline stage `graph` runs (None: the draft)."""
+        return next((entry.stage for entry in self.stages if entry.stage.graph == graph), None)
+
+    def layout_of(self, graph: str) -> CacheLayout:
+        """The cache groups `graph` reads and writes: the draft's, or its stage's layers'."""
+        entry = next((entry for entry in self.stages if entry.stage.graph == graph), None)
+        return self.caches["draft"] if entry is None else entry.layout(self.model, VALUE_BYTES[self.dtype])
 
     # ------------------------------------------------------------------ cache accounting
     def cache_groups(self, part: str) -> list[CacheGroup]:
@@ -91,6 +127,8 @@ class EngineManifest:
             "graphs": {name: {"file": g.file, "inputs": [asdict(s) for s in g.inputs],
                               "outputs": [asdict(s) for s in g.outputs]} for name, g in self.graphs.items()},
             "caches": {"groups": {part: layout.to_json() for part, layout in self.caches.items()}, "totals": totals},
+            "pipeline": {"stages": [entry.to_json(self.model, VALUE_BYTES[self.dtype], self.mtp > 0)
+                                    for entry in self.stages]},
             "weights": {"files": [asdict(w) for w in self.weights], "experts": self.experts},
             "tokenizer": self.tokenizer, "checkpoint": self.checkpoint, "tools": self.tools,
             "build": self.build | ({"compile": self.compiled.to_dict()} if self.compiled is not None else {}),
@@ -122,19 +160,22 @@ class EngineManifest:
             raise EngineFormatError(str(e)) from None
         backend, dtype = field.choice("backend", tuple(BACKENDS)), field.choice("dtype", tuple(ACTIVATION_DTYPES))
         mtp = field.integer("mtp", 0, MAX_MTP)
-        parts = ["target"] + (["draft"] if mtp else [])
+        stages = _stages(field.nested("pipeline"), model, VALUE_BYTES[dtype], mtp > 0)
+        parts = [entry.stage.graph for entry in stages] + (["draft"] if mtp else [])
         graphs, caches = field.get("graphs", dict), field.get("caches", dict)
         if sorted(graphs) != sorted(parts):
             raise EngineFormatError(f"{path}: field 'graphs' must hold {parts} for mtp {mtp} (got {shown(sorted(graphs))})")
         entries = {}
+        stage_of = {entry.stage.graph: entry.stage for entry in stages}
         for part in parts:        # what the model config implies, which engine.json must say exactly
-            inputs, outputs = graph_specs(model, part == "draft", ACTIVATION_DTYPES[dtype], mtp)
+            inputs, outputs = graph_specs(model, part == "draft", ACTIVATION_DTYPES[dtype], mtp, stage_of.get(part))
             entries[part] = GraphEntry(field.nested("graphs").nested(part).get("file", str),
                                        tuple(inputs), tuple(outputs))
             if graphs[part] != {"file": entries[part].file, **_spec_dicts(entries[part])}:
                 raise EngineFormatError(f"{path}: field 'graphs.{part}' does not describe the {part} graph of this "
                                         "model config (inputs and outputs differ); refused")
-        layouts = {part: CacheLayout(model, part == "draft", VALUE_BYTES[dtype]) for part in parts}
+        layouts = {part: CacheLayout(model, part == "draft", VALUE_BYTES[dtype])
+                   for part in [TARGET] + (["draft"] if mtp else [])}
         if caches.get("groups") != {part: layout.to_json() for part, layout in layouts.items()}:
             raise EngineFormatError(f"{path}: field 'caches.groups' is not what the model config implies for mtp "
                                     f"{mtp} and dtype {dtype}; refused")
@@ -144,7 +185,7 @@ class EngineManifest:
         manifest = cls(
             model=model, backend=backend, mtp=mtp, dtype=dtype, graphs=entries, caches=layouts,
             weights=[_weight_file(w, path, i) for i, w in enumerate(weights.get("files", list))],
-            experts=weights.get("experts", str), tokenizer=field.items("tokenizer", str, []),
+            experts=weights.get("experts", str), stages=stages, tokenizer=field.items("tokenizer", str, []),
             checkpoint=field.get("checkpoint", dict, {}),
             tools=field.get("tools", dict, {}), build=build, compiled=compiled)
         check_limits({name: manifest.build.get(name, default) for name, default in BUILT_LIMIT_DEFAULTS.items()},
@@ -171,6 +212,34 @@ def _spec_dicts(entry: GraphEntry) -> dict[str, list[dict[str, Any]]]:
     """A graph entry's inputs and outputs as engine.json writes them (shapes as lists)."""
     return {kind: [{**asdict(s), "shape": list(s.shape)} for s in specs]
             for kind, specs in (("inputs", entry.inputs), ("outputs", entry.outputs))}
+
+
+def _stages(pipeline: JsonFields, model: V4Config, value_bytes: int, draft: bool) -> list[StageEntry]:
+    """`pipeline.stages`: consecutive, non-empty runs of the target's layers from the first to the last, each entry
+    exactly as a build writes it (graph name, cache groups, where the draft runs)."""
+    layers = model.num_hidden_layers
+    listed = pipeline.get("stages", list)
+    if not 1 <= len(listed) <= layers:
+        pipeline.fail("stages", f"must list 1 to {layers} stages (one per {layers} layers at most)", len(listed))
+    out, start = [], 0
+    for i, raw in enumerate(listed):
+        fields = JsonFields(raw, pipeline.source, EngineFormatError, f"pipeline.stages[{i}].")
+        count = len(fields.items("layers", int, most=layers))
+        stage = Stage(i, len(listed), range(start, start + count))
+        if count == 0 or stage.layers.stop > layers or fields.raw["layers"] != list(stage.layers):
+            fields.fail("layers", f"must be the layers from {start} on, consecutive, at least one, and no more than "
+                                  f"the model's {layers}", fields.raw["layers"])
+        entry = StageEntry(stage, fields.integer("bytes", 0, 1 << 50))
+        if raw != entry.to_json(model, value_bytes, draft):
+            raise EngineFormatError(f"{pipeline.source}: field 'pipeline.stages[{i}]' is not the stage of layers "
+                                    f"{start} to {stage.layers.stop - 1} this model config implies (graph, cache "
+                                    "groups or draft differ); refused")
+        out.append(entry)
+        start = stage.layers.stop
+    if start != layers:
+        raise EngineFormatError(f"{pipeline.source}: field 'pipeline.stages' covers layers 0 to {start - 1} of the "
+                                f"model's {layers}; refused")
+    return out
 
 
 def _weight_file(raw: Any, path: Path, index: int) -> WeightFile:

@@ -24,7 +24,8 @@ from .engine_folder import EngineFolder, EngineFormatError
 from .metrics import RequestMetrics
 from .sampling import RequestError, SamplingParams, is_integer
 from .scheduler import Request, Scheduler
-from .sessions import open_session
+from .sessions import open_session, open_target
+from .stages import check_devices
 from .untrusted import first_line
 
 Prompt = str | Sequence[int]
@@ -85,7 +86,8 @@ class Generator:
                         max_cache_bytes: int | None = None,
                         max_prefill_chunk: int | None = None, threads: int | None = None,
                         providers: list | None = None, share_threads: bool = False,
-                        prefix_cache: bool = True, device_pools: bool | None = None) -> "Generator":
+                        prefix_cache: bool = True, device_pools: bool | None = None,
+                        devices: Sequence[int] | None = None, microbatches: int | None = None) -> "Generator":
         """Open an engine directory. mtp (<= the engine's k, 0 disables drafting) defaults to the engine's.
 
         providers: ONNX Runtime execution providers, e.g. ["CUDAExecutionProvider", "CPUExecutionProvider"] with
@@ -97,7 +99,11 @@ class Generator:
         a prompt that starts like an earlier one reuses that prefix's caches (runtime/prefix_cache.py); the tokens
         are those of a cold run either way. device_pools: an ONNX Runtime engine keeps its cache pools as torch
         tensors on the session's device, bound in place (default: when a GPU provider comes first; True on the
-        CPU runs the same path with CPU tensors); TensorRT engines always do."""
+        CPU runs the same path with CPU tensors); TensorRT engines always do. devices: the GPU of each of the
+        engine's pipeline stages (v4build --pipeline-stages; one per stage, the draft on the last stage's), as ONNX
+        Runtime's CUDA device_id, TensorRT's device or MIGraphX's (default: every stage where the backend runs by
+        default, the CPU for ONNX Runtime). microbatches: a call's rows cut into this many slices in flight on
+        different stages at once (default: one per stage when each stage has a GPU of its own; 1: none)."""
         path = Path(path)
         manifest = EngineManifest.read(path)
         if backend is not None and backend != manifest.backend:
@@ -114,6 +120,11 @@ class Generator:
         mtp = manifest.mtp if mtp is None else mtp
         if not 0 <= mtp <= manifest.mtp:
             raise RequestError(f"mtp must be between 0 and the engine's {manifest.mtp} (got {mtp})")
+        if devices is not None:
+            devices = check_devices(devices, len(manifest.stages), str(path), RequestError)
+        if microbatches is not None and not (is_integer(microbatches) and 1 <= microbatches <= asked["max_batch"]):
+            raise RequestError(f"microbatches must be an integer from 1 to max_batch {asked['max_batch']} "
+                               f"(got {reprlib.repr(microbatches)})")
         if share_threads and manifest.backend == "onnxruntime":
             from .sessions.onnxruntime import share_thread_pool
 
@@ -121,10 +132,11 @@ class Generator:
         options = {k: v for k, v in (("threads", threads), ("providers", providers)) if v}
         if device_pools is not None:
             options["device_pools"] = device_pools
-        if mtp:
-            options["alternating"] = True                  # target and draft calls take turns on the same cores
-        target = open_session(path, manifest, "target", **options)
-        draft = open_session(path, manifest, "draft", **options) if mtp else None
+        if mtp or len(manifest.stages) > 1:
+            options["alternating"] = True       # sessions (target and draft, pipeline stages) take turns on the cores
+        target = open_target(path, manifest, devices, microbatches, **options)
+        draft = open_session(path, manifest, "draft", device=devices[-1] if devices else None, **options) \
+            if mtp else None
         scheduler = Scheduler(manifest, target, draft, mtp, max_cache_bytes=max_cache_bytes,
                               prefix_cache=prefix_cache, **asked)
         return cls(path, manifest, scheduler, load_tokenizer(path))

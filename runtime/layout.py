@@ -30,6 +30,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from .config import CSA, HCA, SLIDING, V4Config
+from .stages import Stage, single_stage
 
 WINDOW, COMPRESSOR, COMPRESSED = "window_kv", ("compressor_kv", "compressor_gate"), "compressed_kv"
 INDEXER, INDEX_KEYS = ("indexer_kv", "indexer_gate"), "index_keys"
@@ -38,6 +39,8 @@ MTP_KIND = "mtp"                                # the draft layer's kind in engi
 MIN_BLOCK_TOKENS = 16                           # a block's positions when the compression ratios allow fewer
 SLOTS, BLOCK_TABLE = "slots", "block_table"     # the graph inputs that address the pools
 NEW_PREFIX = "new."                             # the outputs that carry new cache rows (`new.{layer}.{group}`)
+STREAMS = "hidden"                              # the target's (every stage's) output streams; the draft's input
+STAGE_INPUT = "hidden_in"                       # a pipeline stage's input: the previous stage's output `hidden`
 
 
 @dataclass(frozen=True)
@@ -131,12 +134,14 @@ def closed_windows(start: int, n: int, ratio: int) -> int:
 
 
 class CacheLayout:
-    """Every cache group of the target (draft=False) or of the MTP layer."""
+    """Every cache group of the target (draft=False) or of the MTP layer; `layers`: of those target layers only (a
+    pipeline stage's, runtime/stages.py)."""
 
-    def __init__(self, cfg: V4Config, draft: bool, value_bytes: int = 4):
+    def __init__(self, cfg: V4Config, draft: bool, value_bytes: int = 4, layers: range | None = None):
         self.cfg, self.draft = cfg, draft
         self.block_tokens = block_tokens(cfg)
-        layers = [(cfg.num_hidden_layers, MTP_KIND)] if draft else list(enumerate(cfg.layer_types))
+        kinds = list(enumerate(cfg.layer_types))
+        layers = [(cfg.num_hidden_layers, MTP_KIND)] if draft else kinds if layers is None else [kinds[i] for i in layers]
         self.groups: list[CacheGroup] = []
         for layer, kind in layers:
             def group(name: str, width: int, **rows: int) -> CacheGroup:
@@ -208,23 +213,29 @@ def _dynamic_rows(group: CacheGroup, what: str) -> str:
     return f"{what}_csa" if group.kind == CSA else f"{what}_hca"
 
 
-def graph_specs(cfg: V4Config, draft: bool, dtype: str = "float32", mtp: int = 0
+def graph_specs(cfg: V4Config, draft: bool, dtype: str = "float32", mtp: int = 0, stage: Stage | None = None
                 ) -> tuple[list[TensorSpec], list[TensorSpec]]:
     """(inputs, outputs) of the target or draft graph: the engine contract.
+
+    A pipeline stage of the target (runtime/stages.py) takes the previous stage's `hidden` as `hidden_in` unless it
+    is the first, returns `logits` only if it is the last, and reads and writes only its own layers' cache groups.
 
     The draft graph is a whole draft cycle of k = mtp drafts (builder/model/drafting.py): the target's streams
     `hidden` and the next tokens over the newly committed positions, each row's valid `lengths`, its sampling
     settings and one uniform number per draft in; `drafts`, the distributions they were drawn from
     (`draft_probs`) and the extend's cache rows out."""
     tokens = [TensorSpec("input_ids", "int64", ("batch", "seq")), TensorSpec("positions", "int64", ("batch", "seq"))]
-    layout = CacheLayout(cfg, draft)
+    streams = TensorSpec(STREAMS, dtype, ("batch", "seq", cfg.hc_mult, cfg.hidden_size))
     if not draft:
-        outputs = [TensorSpec("logits", "float32", ("batch", "seq", cfg.vocab_size)),
-                   TensorSpec("hidden", dtype, ("batch", "seq", cfg.hc_mult, cfg.hidden_size))]
-        return tokens + layout.inputs(dtype), outputs + layout.outputs(dtype)
+        stage = stage or single_stage(cfg.num_hidden_layers)[0]
+        layout = CacheLayout(cfg, draft, layers=stage.layers)
+        logits = [TensorSpec("logits", "float32", ("batch", "seq", cfg.vocab_size))] if stage.last else []
+        inputs = ([] if stage.first else [TensorSpec(STAGE_INPUT, dtype, streams.shape)]) + tokens
+        return inputs + layout.inputs(dtype), logits + [streams] + layout.outputs(dtype)
+    layout = CacheLayout(cfg, draft)
     if mtp < 1:
         raise ValueError(f"the draft graph drafts k >= 1 tokens (got mtp {mtp})")
-    inputs = [TensorSpec("hidden", dtype, ("batch", "seq", cfg.hc_mult, cfg.hidden_size)), *tokens,
+    inputs = [streams, *tokens,
               TensorSpec("lengths", "int64", ("batch",)), TensorSpec("temperature", "float32", ("batch",)),
               TensorSpec("top_k", "int64", ("batch",)), TensorSpec("top_p", "float32", ("batch",)),
               TensorSpec("uniforms", "float32", ("batch", mtp))]

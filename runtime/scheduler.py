@@ -33,10 +33,25 @@ from .detokenize import IncrementalDetokenizer
 from .engine import EngineManifest
 from .errors import V4EngineError
 from .metrics import RequestMetrics
-from .pool_arrays import NUMPY_DTYPES, pool_arrays
+from .layout import CacheGroup
+from .pool_arrays import NUMPY_DTYPES, PoolArrays, pool_arrays
 from .prefix_cache import PrefixCache, PrefixEntry
 from .sampling import RequestError, SamplingParams, accept_greedy, accept_sampled, distribution, draw, is_integer
 from .sessions import EngineSession
+
+
+def _memory_cap(storages: dict[str | None, PoolArrays], device_of: dict[str, str | None],
+                groups: dict[str, list[CacheGroup]], seq_len: int) -> int:
+    """The largest cache budget that takes at most half of each place's memory, given the share of a sequence's
+    cache bytes each place holds (all of it, unless a pipeline spreads the pools over several GPUs). Host numpy
+    pools and torch CPU pools share one place: the host's memory."""
+    place = {device: "cpu" if device is None else device for device in storages}
+    held = dict.fromkeys(place.values(), 0)
+    for g in (g for part in groups.values() for g in part):
+        held[place[device_of[g.pool]]] += g.bytes_for(seq_len)
+    memory = {place[device]: storage.memory() for device, storage in storages.items()}
+    total = sum(held.values())
+    return min(memory[p] // 2 * total // max(1, held[p]) for p in held)
 
 
 class CapacityError(RequestError):
@@ -107,17 +122,19 @@ class Scheduler:
         if manifest.dtype not in NUMPY_DTYPES:
             raise V4EngineError(f"engine dtype {manifest.dtype} cannot run in this runtime")
         self.dtype = NUMPY_DTYPES[manifest.dtype]      # of host arrays: the draft's streams, prefix snapshots'
-        if draft is not None and draft.pool_device != target.pool_device:
-            raise V4EngineError(f"the draft session keeps its caches on {draft.pool_device}, the target on "
-                                f"{target.pool_device}: both must read pools in one place")
-        storage = pool_arrays(manifest.dtype, target.pool_device)
         self.groups = {part: manifest.cache_groups(part) for part in manifest.caches}
+        # Each pool where the session that reads it keeps pools (a pipeline's stages: each on its own device; the
+        # draft's beside the last stage)
+        device_of = {g.pool: (draft if part == "draft" and draft is not None else target).pool_device_of(g.pool)
+                     for part, groups in self.groups.items() for g in groups}
+        storages = {device: pool_arrays(manifest.dtype, device) for device in dict.fromkeys(device_of.values())}
+        storage = {pool: storages[device] for pool, device in device_of.items()}
         # By default: the caches of max_batch sequences of max_seq_len tokens, but never more than half of the
-        # memory the pools live in: the host's, or what the GPU has free beside the weights (an engine.json cannot
+        # memory the pools live in: the host's, or what each GPU has free beside the weights (an engine.json cannot
         # make the runtime promise memory it does not have, and device pools are allocated whole). The budget
         # pays for a slot of every part per batch row first, then for as many blocks as it holds.
         self.budget = max_cache_bytes if max_cache_bytes is not None else min(
-            max_batch * self.cache_bytes(max_seq_len), storage.memory() // 2)
+            max_batch * self.cache_bytes(max_seq_len), _memory_cap(storages, device_of, self.groups, max_seq_len))
         # Never more blocks than max_batch sequences of max_seq_len can use (nor than a shape-specialized engine's
         # profiles take, which stop there), and at least one where there are growing groups.
         layout = manifest.caches["target"]

@@ -123,15 +123,21 @@ def test_bf16_crosses_between_numpy_and_torch_exactly():
     assert np.array_equal(to_numpy(tensor).view(np.int16), bits)
 
 
-def test_the_draft_and_the_target_must_keep_their_pools_in_one_place(engine):
-    from v4engine.runtime.errors import V4EngineError
+def test_each_part_keeps_its_pools_where_its_session_reads_them(engine):
+    """Target pools on the device, the draft's on the host: each pool is allocated where the session that reads it
+    keeps pools (as a pipeline's stages each keep theirs), and the tokens are those of host pools."""
+    from v4engine.runtime.pool_arrays import DeviceArrays, HostArrays
     from v4engine.runtime.scheduler import Scheduler
 
-    gen = Generator.from_engine_dir(engine, mtp=3, device_pools=True)
-    host = Generator.from_engine_dir(engine, mtp=3)
-    with pytest.raises(V4EngineError, match="both must read pools in one place"):
-        Scheduler(gen.manifest, gen.scheduler.target_session, host.scheduler.draft_session, 3, max_batch=2,
-                  max_seq_len=128)
+    device, host = Generator.from_engine_dir(engine, mtp=3, device_pools=True), Generator.from_engine_dir(engine, mtp=3)
+    scheduler = Scheduler(device.manifest, device.scheduler.target_session, host.scheduler.draft_session, 3,
+                          max_batch=2, max_seq_len=128)
+    for part, storage in (("target", DeviceArrays), ("draft", HostArrays)):
+        assert all(isinstance(s, storage) for s in scheduler.pools[part].storage_of.values()), part
+    mixed = Generator(engine, device.manifest, scheduler)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    assert [r.token_ids for r in mixed.generate([[1, 2, 3], [7, 8]], params)] == \
+        [r.token_ids for r in host.generate([[1, 2, 3], [7, 8]], params)]
 
 
 def test_a_gpu_provider_this_onnxruntime_lacks_leaves_the_pools_on_the_host(engine):

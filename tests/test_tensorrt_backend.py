@@ -12,6 +12,8 @@
 """
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 import json
 import shutil
@@ -425,13 +427,17 @@ def test_the_session_loads_the_plan_its_compile_record_names(prepared, tmp_path,
 
     trt = SimpleNamespace(Logger=type("Logger", (), {"WARNING": 2, "__init__": lambda self, level: None}),
                           Runtime=Runtime)
-    cuda_torch = SimpleNamespace(device=lambda kind, index: (kind, index), cuda=SimpleNamespace(Stream=lambda d: None))
+    current = []                # the devices made current around deserialization (a plan belongs to the current one)
+    cuda = SimpleNamespace(Stream=lambda d: None, current_device=lambda: 0,
+                           device=lambda d: current.append(d) or contextlib.nullcontext())
+    cuda_torch = SimpleNamespace(device=lambda kind, index: (kind, index), cuda=cuda)
     monkeypatch.setattr(session_module, "_import_tensorrt", lambda: (trt, cuda_torch))
     open_session(engine, EngineManifest.read(engine), "draft")
-    assert loaded == [b"plan of draft"]
+    open_session(engine, EngineManifest.read(engine), "draft", device=1)      # a pipeline's last stage's GPU
+    assert loaded == [b"plan of draft"] * 2 and current == [("cuda", 0), ("cuda", 1)]
     (tmp_path / "outside.plan").write_bytes(b"not ours")
     manifest.compiled.plans["draft"] = BuiltPlan("../outside.plan", 8, 0.0)
     manifest.write(engine)
     with pytest.raises(EngineFormatError, match=r"build\.compile\.plans\.draft\.plan") as failure:
         open_session(engine, EngineManifest.read(engine), "draft")
-    assert "\n" not in str(failure.value) and loaded == [b"plan of draft"]
+    assert "\n" not in str(failure.value) and loaded == [b"plan of draft"] * 2

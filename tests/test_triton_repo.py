@@ -106,6 +106,16 @@ def test_only_the_gpu_variant_puts_generation_on_the_gpu(variant):
     assert ("providers" in models["v4_generate"].parameters) == gpu
 
 
+def test_an_instance_spans_one_gpu_per_pipeline_stage(trained_engine, tmp_path):
+    """--gpus: Triton places nothing (KIND_MODEL); the model puts stage i of the engine on the i-th GPU listed."""
+    generate = configs(render(trained_engine, tmp_path / "repo", gpus=[1]))["v4_generate"]
+    assert {g.kind for g in generate.instance_group} == {KIND.KIND_MODEL}
+    assert generate.parameters["gpus"].string_value == "1" and "providers" in generate.parameters
+    with pytest.raises(V4EngineError, match=r"has 1 pipeline stage\(s\), which need 1 GPU number\(s\)"):
+        render(trained_engine, tmp_path / "other", gpus=[0, 1])
+    assert not (tmp_path / "other").exists()
+
+
 def test_the_cli_renders_and_explains_every_flag(trained_engine, tmp_path, capsys):
     assert v4build(["triton-repo", str(trained_engine), str(tmp_path / "repo"), "--gpu", "--max-batch", "4",
                     "--max-queue-size", "2", "--instance-count", "2"]) == 0
@@ -114,7 +124,7 @@ def test_the_cli_renders_and_explains_every_flag(trained_engine, tmp_path, capsy
     with pytest.raises(SystemExit):
         v4build(["triton-repo", "--help"])
     help_text = capsys.readouterr().out
-    for flag in ("--gpu", "--max-batch", "--max-queue-size", "--instance-count", "--force"):
+    for flag in ("--gpu", "--gpus", "--max-batch", "--max-queue-size", "--instance-count", "--force"):
         assert flag in help_text
 
 

@@ -8,16 +8,19 @@ The repository holds four models (config.py): `preprocessing` -> `v4_generate` -
 this package's `models/`; each rendered model.py only imports it, so the server's Python environment needs
 v4engine installed (and, for Triton 2.51's Python backend, numpy < 2). The engine directory is referenced by its
 absolute path in the configs' parameters, not copied. `gpu=True` renders the same contract with v4_generate on
-KIND_GPU instances (ONNX Runtime's CUDA provider). server.py starts the Triton that the nvidia-pytriton wheel
+KIND_GPU instances (ONNX Runtime's CUDA provider), `gpus=[0, 1]` with each instance spanning those GPUs, one per
+pipeline stage of the engine (KIND_MODEL). server.py starts the Triton that the nvidia-pytriton wheel
 bundles on a rendered repository.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 
 from v4engine.runtime.engine import EngineManifest
 from v4engine.runtime.errors import V4EngineError
 from v4engine.runtime.staging import Ours, check_destination, staged_folder
+from v4engine.runtime.stages import check_devices
 
 from .config import STEPS, Options, model_configs
 
@@ -44,12 +47,13 @@ class RenderError(V4EngineError):
 
 
 def render(engine_dir: str | Path, out: str | Path, *, gpu: bool = False, max_batch: int | None = None,
-           max_queue_size: int = 32, instance_count: int = 1, force: bool = False) -> Path:
+           max_queue_size: int = 32, instance_count: int = 1, gpus: Sequence[int] = (), force: bool = False) -> Path:
     """Write the model repository for `engine_dir` to `out` and return `out`.
 
     max_batch: requests generating together (default: the largest batch the engine was built for);
     max_queue_size: requests that may wait for a batch slot; beyond that a request is refused at once;
-    instance_count: v4_generate instances, each with its own scheduler and engine sessions.
+    instance_count: v4_generate instances, each with its own scheduler and engine sessions;
+    gpus: the GPUs one instance spans, one per pipeline stage of the engine (v4build --pipeline-stages).
     The repository is written to a temporary folder beside `out` and renamed at the end: a failure leaves
     nothing behind, and `force` replaces an existing `out` only then."""
     engine_dir, out = Path(engine_dir).resolve(), Path(out)
@@ -64,12 +68,15 @@ def render(engine_dir: str | Path, out: str | Path, *, gpu: bool = False, max_ba
         if not isinstance(value, int) or value < low or (high is not None and value > high):
             bound = f"from {low} to {high} (the engine was built for batches of {high})" if high else f">= {low}"
             raise RenderError(f"{name} must be an integer {bound} (got {value!r})")
+    if gpus:
+        gpus = check_devices(gpus, len(manifest.stages), str(engine_dir), RenderError)
     check_destination(out, force, REPOSITORY)
     if not out.parent.is_dir():
         raise RenderError(f"{out.parent}: no such folder")
     try:
         options = Options(engine_dir=str(engine_dir), max_seq_len=manifest.limits["max_seq_len"],
-                          max_batch=max_batch, max_queue_size=max_queue_size, instance_count=instance_count, gpu=gpu)
+                          max_batch=max_batch, max_queue_size=max_queue_size, instance_count=instance_count, gpu=gpu,
+                          gpus=tuple(gpus))
         configs = model_configs(options)
     except ValueError as e:
         raise RenderError(f"{engine_dir}: cannot be written into a config.pbtxt: {e}") from None

@@ -11,6 +11,8 @@ The ensemble is wired by name from the lists below: a step input takes the ensem
 name if there is one, else the internal tensor "_<name>" that an earlier step produces; a step output feeds the
 ensemble output of its name, else "_<name>". The GPU variant differs in one place: v4_generate's instances are
 KIND_GPU and open the engine with ONNX Runtime's CUDA provider (a TensorRT engine loads as the runtime decides).
+An engine split into pipeline stages spans several GPUs per instance (`gpus`): its instances are KIND_MODEL (Triton
+places nothing; the model puts stage i on gpus[i]), with the list in the `gpus` parameter.
 Every model has max_batch_size 0: one prompt per request, and v4_generate's scheduler, not Triton, batches the
 requests in flight.
 """
@@ -40,6 +42,7 @@ class Options:
     max_queue_size: int
     instance_count: int = 1
     gpu: bool = False
+    gpus: tuple[int, ...] = ()      # an instance spanning these GPUs, one per pipeline stage (KIND_MODEL)
 
 
 # The settings a client may send, named as tensorrtllm_backend names them where it has the setting.
@@ -127,7 +130,11 @@ def python_model(model: Model, options: Options) -> mc.ModelConfig:
     config = mc.ModelConfig(name=model.name, backend="python", max_batch_size=0,
                             input=_inputs(model.inputs), output=_outputs(model.outputs))
     config.model_transaction_policy.decoupled = model.decoupled
-    kind = mc.ModelInstanceGroup.KIND_GPU if generate and options.gpu else mc.ModelInstanceGroup.KIND_CPU
+    kind = mc.ModelInstanceGroup.KIND_CPU
+    if generate and options.gpus:
+        kind = mc.ModelInstanceGroup.KIND_MODEL
+    elif generate and options.gpu:
+        kind = mc.ModelInstanceGroup.KIND_GPU
     config.instance_group.add(count=options.instance_count if generate else 1, kind=kind)
     # No step has a dynamic batcher. With max_batch_size 0 it batches nothing, and in 2.51 it does harm: it drops
     # cancelled requests before postprocessing can relay them (models/relay.py), and a request that arrives while
@@ -139,8 +146,10 @@ def python_model(model: Model, options: Options) -> mc.ModelConfig:
         values["max_seq_len"] = options.max_seq_len
     if generate:
         values.update(max_batch=options.max_batch, max_queue_size=options.max_queue_size)
-        if options.gpu:
+        if options.gpu or options.gpus:
             values["providers"] = "CUDAExecutionProvider,CPUExecutionProvider"
+        if options.gpus:
+            values["gpus"] = ",".join(map(str, options.gpus))
     for key, value in values.items():
         config.parameters[key].string_value = str(value)
     return config

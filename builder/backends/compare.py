@@ -13,6 +13,7 @@ import numpy as np
 
 from v4engine.runtime.cache import CachePool, SequenceCache
 from v4engine.runtime.engine import EngineManifest
+from v4engine.runtime.layout import STAGE_INPUT
 from v4engine.runtime.pool_arrays import HostArrays
 
 
@@ -20,15 +21,18 @@ def first_call_feeds(manifest: EngineManifest, graph: str, batch: int, seq: int)
     """The inputs of a first call of `graph` (a prefill on empty caches), random tokens and streams."""
     rng = np.random.default_rng(0)
     cfg = manifest.model
-    layout = manifest.caches[graph]
+    layout, stage = manifest.layout_of(graph), manifest.stage_of(graph)
     pool = CachePool(layout, batch, batch * layout.blocks_for(seq), HostArrays("fp32"))
     caches = [SequenceCache(pool) for _ in range(batch)]
     for cache in caches:
         cache.reserve(seq)
     feeds = {"input_ids": rng.integers(0, cfg.vocab_size, (batch, seq)),
              "positions": np.tile(np.arange(seq), (batch, 1)), **pool.feeds(caches)}
+    streams = rng.standard_normal((batch, seq, cfg.hc_mult, cfg.hidden_size)).astype(np.float32)
+    if stage is not None and not stage.first:      # a later pipeline stage: the previous stage's streams
+        feeds[STAGE_INPUT] = streams
     if graph == "draft":              # greedy and sampling rows alike
-        feeds |= {"hidden": rng.standard_normal((batch, seq, cfg.hc_mult, cfg.hidden_size)).astype(np.float32),
+        feeds |= {"hidden": streams,
                   "lengths": np.full(batch, seq, np.int64),
                   "temperature": np.arange(batch, dtype=np.float32) % 2,
                   "top_k": np.zeros(batch, np.int64), "top_p": np.ones(batch, np.float32),

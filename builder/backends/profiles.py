@@ -9,7 +9,7 @@ from v4engine.runtime.profiles import Profile
 def profiles(manifest: EngineManifest, graph: str) -> list[Profile]:
     """The runtime's calls of `graph` (runtime/scheduler.py), as optimization profiles.
 
-    target: `prefill` (chunks of up to max_prefill_chunk tokens, verify rows riding along) and `verify`
+    target (each pipeline stage): `prefill` (chunks of up to max_prefill_chunk tokens, verify rows riding along) and `verify`
     (k+1 tokens per row: every decode step). draft: `extend` (a prompt's positions, in chunks) and `cycle` (the
     1..k+1 positions a verify committed: every decode step); both then run the k draft steps. Batch
     1..max_batch; block tables of 0..max_seq_len/block_tokens + 1 blocks per row; pools of 1..max_batch slots and
@@ -18,7 +18,7 @@ def profiles(manifest: EngineManifest, graph: str) -> list[Profile]:
     max_batch, chunk, max_seq = build["max_batch"], build["max_prefill_chunk"], build["max_seq_len"]
     layout = manifest.caches["target"]
     blocks = layout.table_blocks(max_seq)
-    if graph == "target":
+    if graph != "draft":            # the target, or a pipeline stage of it
         kinds = {"prefill": (1, chunk, chunk), "verify": (1, manifest.mtp + 1, manifest.mtp + 1)}
     else:
         kinds = {"extend": (1, chunk, chunk), "cycle": (1, manifest.mtp + 1, manifest.mtp + 1)}

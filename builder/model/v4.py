@@ -442,14 +442,27 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[LayerCache]) -> ForwardOutput:
         """Target over new tokens: input_ids/positions [B,S] (positions consecutive per row), one cache per layer."""
-        e = self.embed(input_ids)
-        x = e.unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1)
+        x = self.embedded_streams(input_ids)
+        x, deltas = self.run_layers(x, input_ids, positions, caches, range(len(self.layers)))
+        return ForwardOutput(logits=self.logits(x), hidden=x, deltas=deltas)
+
+    def embedded_streams(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The first layer's input: each token's embedding on all hc_mult streams [B,S,N,D]."""
+        return self.embed(input_ids).unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1)
+
+    def run_layers(self, x: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[LayerCache],
+                   layers: range) -> tuple[torch.Tensor, list[LayerDelta]]:
+        """Streams x through `layers` (a pipeline stage's, or all), one cache each: (their output streams, deltas)."""
         deltas = []
-        for layer, cache in zip(self.layers, caches):
-            x, delta = layer(x, input_ids, positions, cache)
+        for i, cache in zip(layers, caches):
+            x, delta = self.layers[i](x, input_ids, positions, cache)
             deltas.append(delta)
+        return x, deltas
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The last layer's streams -> logits [B,S,V] (float32): hc head, norm, LM head."""
         y = self.norm(hyper_head(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.cfg))
-        return ForwardOutput(logits=self.head(y).float(), hidden=x, deltas=deltas)
+        return self.head(y).float()
 
     def draft(self, hidden: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor, cache: LayerCache
               ) -> ForwardOutput:

@@ -9,6 +9,7 @@ import numpy as np
 
 from ..backends import BACKENDS
 from ..engine import EngineManifest, TensorSpec
+from ..layout import NEW_PREFIX
 from ..errors import V4EngineError
 
 
@@ -21,15 +22,25 @@ class EngineSession(ABC):
 
     `pool_device` says where the session reads the cache pools: None, host numpy arrays (and every output is
     numpy); a torch device ("cuda:0"), torch tensors there, read in place, and the `new.*` outputs may be torch
-    tensors there too (the pool writes them on the device). The other outputs are always numpy."""
+    tensors there too (the pool writes them on the device), as may those named in `keep_on_device` (a pipeline
+    stage's streams, for the next stage). The other outputs are always numpy."""
 
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
     pool_device: str | None = None
+    keep_on_device: frozenset[str] = frozenset()    # outputs besides `new.*` left on the device (a stage's streams)
 
     @abstractmethod
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run the graph on `feeds` (every input by name) and return every output by name."""
+
+    def pool_device_of(self, pool: str) -> str | None:
+        """Where this session reads the pool input `pool` (a pipeline's stages each on their own device)."""
+        return self.pool_device
+
+    def on_device(self, output: str) -> bool:
+        """Whether `output` may stay a torch tensor on the session's device (new rows, and keep_on_device)."""
+        return output.startswith(NEW_PREFIX) or output in self.keep_on_device
 
 
 def checked_outputs(session: EngineSession, feeds: dict[str, np.ndarray], outputs: dict[str, np.ndarray],
@@ -49,10 +60,29 @@ def checked_outputs(session: EngineSession, feeds: dict[str, np.ndarray], output
     return outputs
 
 
-def open_session(engine_dir: str | Path, manifest: EngineManifest, graph: str, **options: Any) -> EngineSession:
-    """The session for `graph` ('target' or 'draft') of the engine's backend.
+def open_session(engine_dir: str | Path, manifest: EngineManifest, graph: str, device: int | None = None,
+                 **options: Any) -> EngineSession:
+    """The session for `graph` (the draft, or a target stage) of the engine's backend, on GPU `device` (None: the
+    backend's default: ONNX Runtime's providers as given, TensorRT's and MIGraphX's current GPU).
 
-    options are ONNX Runtime's (providers, threads, ...), for the backends whose sessions take them; TensorRT and
-    MIGraphX engines run on the current GPU."""
+    options are ONNX Runtime's (providers, threads, ...), for the backends whose sessions take them."""
     backend = BACKENDS[manifest.backend]
-    return backend.session_class()(engine_dir, manifest, graph, **(options if backend.onnxruntime_options else {}))
+    return backend.session_class()(engine_dir, manifest, graph, device=device,
+                                   **(options if backend.onnxruntime_options else {}))
+
+
+def open_target(engine_dir: str | Path, manifest: EngineManifest, devices: list[int] | None = None,
+                microbatches: int | None = None, **options: Any) -> EngineSession:
+    """The target: its one graph's session, or its pipeline stages as one (sessions/pipeline.py), stage i on
+    devices[i]. microbatches: slices of a call's rows in flight on different stages at once (default: one per
+    stage when each stage has a GPU of its own, else none)."""
+    names = manifest.stage_graphs
+    stages = [open_session(engine_dir, manifest, name, device=device, **options)
+              for name, device in zip(names, devices if devices is not None else [None] * len(names))]
+    if len(stages) == 1:
+        return stages[0]
+    from .pipeline import PipelineSession
+
+    if microbatches is None:
+        microbatches = len(stages) if devices is not None and len(set(devices)) == len(devices) else 1
+    return PipelineSession(stages, microbatches)

@@ -39,7 +39,9 @@ def _migraphx() -> Any | None:
 
 
 class MIGraphXSession(EngineSession):
-    def __init__(self, engine_dir: str | Path, manifest: EngineManifest, graph: str):
+    def __init__(self, engine_dir: str | Path, manifest: EngineManifest, graph: str, device: int | None = None):
+        """`device`: the GPU, through ONNX Runtime's MIGraphX provider (its device_id); MIGraphX's own programs run
+        on the process's first GPU only (their Python API chooses none)."""
         folder = EngineFolder(engine_dir)
         entry = manifest.graphs[graph]
         self.inputs, self.outputs = entry.inputs, entry.outputs
@@ -49,6 +51,10 @@ class MIGraphXSession(EngineSession):
         self._programs: list[Any] = []
         self._onnxruntime = None
         if migraphx is not None and compiled.programs is not None:
+            if device not in (None, 0):
+                raise MIGraphXUnavailable(f"{folder.directory}: MIGraphX's own programs run on the first GPU only; "
+                                          f"for device {device} use onnxruntime-migraphx (without the migraphx "
+                                          "module), or one process per GPU with HIP_VISIBLE_DEVICES")
             self._migraphx = migraphx
             self._profiles = compiled.profiles[graph]      # program i was compiled for profile i (checked on reading)
             self._programs = [migraphx.load(str(folder.checked_path(
@@ -63,7 +69,8 @@ class MIGraphXSession(EngineSession):
                 f"there) or onnxruntime-migraphx, on a ROCm machine")
         from .onnxruntime import OnnxRuntimeSession
 
-        self._onnxruntime = OnnxRuntimeSession(engine_dir, manifest, graph, providers=[PROVIDER, "CPUExecutionProvider"])
+        self._onnxruntime = OnnxRuntimeSession(engine_dir, manifest, graph, device=device,
+                                               providers=[PROVIDER, "CPUExecutionProvider"])
         self.pool_device = self._onnxruntime.pool_device      # its pools on the GPU, bound through an IOBinding
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -39,7 +39,6 @@ import onnxruntime as ort
 
 from ..engine import EngineManifest
 from ..engine_folder import ELEMENT_TYPES, EngineFolder, EngineFormatError, read_graph
-from ..layout import NEW_PREFIX
 from ..pool_arrays import NUMPY_DTYPES, to_numpy
 from ..untrusted import first_line
 from . import EngineRunError, EngineSession, checked_outputs
@@ -61,6 +60,15 @@ def _device_of(providers: list[Provider]) -> tuple[str, str | None, int] | None:
         if name in DEVICE_PROVIDERS:
             return name, DEVICE_PROVIDERS[name], int(options.get("device_id", 0))
     return None
+def providers_on(providers: list[Provider], device: int) -> list[Provider]:
+    """`providers` with each GPU provider's device_id set to `device`."""
+    placed: list[Provider] = []
+    for provider in providers:
+        name, options = (provider, {}) if isinstance(provider, str) else provider
+        placed.append((name, {**options, "device_id": device}) if name in DEVICE_PROVIDERS else provider)
+    return placed
+
+
 _shared_pool = False             # share_thread_pool() ran: every session of this process uses one pool
 
 
@@ -86,10 +94,11 @@ def release_freed_heap() -> None:
 
 
 class OnnxRuntimeSession(EngineSession):
-    def __init__(self, engine_dir: str | Path, manifest: EngineManifest, graph: str,
+    def __init__(self, engine_dir: str | Path, manifest: EngineManifest, graph: str, device: int | None = None,
                  providers: list[Provider] | None = None, threads: int | None = None, load_check: bool = False,
                  alternating: bool = False, device_pools: bool | None = None):
-        """`device_pools`: keep the pools as torch tensors on the session's device (None: when a GPU provider
+        """`device`: the GPU (its `device_id`) for the GPU providers in `providers` (default: CUDA, then the CPU).
+        `device_pools`: keep the pools as torch tensors on the session's device (None: when a GPU provider
         comes first; True on the CPU provider: torch CPU tensors through the same binding path). `load_check`: only prove that ONNX Runtime loads and resolves the graph, with every weight left in
         its memory-mapped file (no graph optimization, no prepacking): memory stays flat in the model size.
         `alternating`: this session takes turns with another (target and MTP draft). Then, on a pool of its own,
@@ -97,6 +106,8 @@ class OnnxRuntimeSession(EngineSession):
         (0.73x). `threads` and `alternating` mean nothing once the process shares one pool (share_thread_pool)."""
         folder = EngineFolder(engine_dir)
         entry = manifest.graphs[graph]
+        if device is not None:
+            providers = providers_on(providers or ["CUDAExecutionProvider", "CPUExecutionProvider"], device)
         weights = folder.map_weights(manifest.weights)
         model = read_graph(folder, entry, weights)
         options = ort.SessionOptions()
@@ -165,7 +176,7 @@ class OnnxRuntimeSession(EngineSession):
             else:
                 binding.bind_ortvalue_input(name, ort.OrtValue.from_dlpack(value.contiguous()))
         for name in self._output_names:
-            if self._bind_outputs and name.startswith(NEW_PREFIX):
+            if self._bind_outputs and self.on_device(name):
                 binding.bind_output(name, self._bind_outputs, self._device_id)
             else:
                 binding.bind_output(name)
@@ -173,7 +184,7 @@ class OnnxRuntimeSession(EngineSession):
         binding.synchronize_outputs()   # new rows are read on torch's stream next: ONNX Runtime's must be done
         outputs = {}
         for name, value in zip(self._output_names, binding.get_outputs()):
-            if self._bind_outputs and name.startswith(NEW_PREFIX):
+            if self._bind_outputs and self.on_device(name):
                 outputs[name] = self._torch.from_dlpack(value)
             elif value.data_type() == "tensor(bfloat16)":       # numpy has no bfloat16: through torch's DLPack
                 outputs[name] = to_numpy(self._torch.from_dlpack(value))

@@ -25,7 +25,6 @@ from ..backends import TensorRTCompiled
 from ..engine import EngineManifest
 from ..engine_folder import EngineFolder, EngineFormatError
 from ..errors import V4EngineError
-from ..layout import NEW_PREFIX
 from ..pool_arrays import to_numpy, to_torch
 from ..profiles import choose_profile
 from . import EngineSession
@@ -56,7 +55,7 @@ def _import_tensorrt() -> tuple[Any, Any]:
 
 
 class TensorRTSession(EngineSession):
-    def __init__(self, engine_dir: str | Path, manifest: EngineManifest, graph: str, device: int = 0):
+    def __init__(self, engine_dir: str | Path, manifest: EngineManifest, graph: str, device: int | None = None):
         folder = EngineFolder(engine_dir)
         engine_dir = folder.directory
         trt, torch = _import_tensorrt()
@@ -65,18 +64,19 @@ class TensorRTSession(EngineSession):
         if compiled.plans is None:
             raise EngineFormatError(f"{engine_dir}: the TensorRT engines were not built (--onnx-only); rebuild with "
                                     "v4build --backend tensorrt on a machine with TensorRT")
-        self._torch, self._device = torch, torch.device("cuda", device)
+        self._torch, self._device = torch, torch.device("cuda", torch.cuda.current_device() if device is None else device)
         self.pool_device = str(self._device)
         self._profiles = compiled.profiles[graph]
         plan = compiled.plans[graph].plan
         data = folder.read_bytes(plan, f"build.compile.plans.{graph}.plan", "compiled")
         self._logger = trt.Logger(trt.Logger.WARNING)
-        self._runtime = trt.Runtime(self._logger)
-        self._engine = self._runtime.deserialize_cuda_engine(data)
-        if self._engine is None:
-            raise EngineFormatError(f"{engine_dir / plan}: TensorRT could not load this engine "
-                                    "(built by another TensorRT version or for another GPU?)")
-        self._context = self._engine.create_execution_context()
+        with torch.cuda.device(self._device):      # an engine lives on the device current when it is deserialized
+            self._runtime = trt.Runtime(self._logger)
+            self._engine = self._runtime.deserialize_cuda_engine(data)
+            if self._engine is None:
+                raise EngineFormatError(f"{engine_dir / plan}: TensorRT could not load this engine "
+                                        "(built by another TensorRT version or for another GPU?)")
+            self._context = self._engine.create_execution_context()
         self._stream = torch.cuda.Stream(self._device)
         self._active: int | None = None
         entry = manifest.graphs[graph]
@@ -91,11 +91,11 @@ class TensorRTSession(EngineSession):
     def run(self, feeds: dict[str, Any]) -> dict[str, Any]:
         torch = self._torch
         index = choose_profile(self._profiles, {n: tuple(a.shape) for n, a in feeds.items()})
-        if index != self._active:
-            self._context.set_optimization_profile_async(index, self._stream.cuda_stream)
-            self._active = index
-        self._stream.wait_stream(torch.cuda.current_stream(self._device))     # the pools' writes come first
-        with torch.cuda.stream(self._stream):
+        with torch.cuda.device(self._device), torch.cuda.stream(self._stream):    # (a stage's worker thread too)
+            if index != self._active:
+                self._context.set_optimization_profile_async(index, self._stream.cuda_stream)
+                self._active = index
+            self._stream.wait_stream(torch.cuda.current_stream(self._device))     # the pools' writes come first
             held = []
             for spec in self.inputs:
                 value = feeds[spec.name]
@@ -103,7 +103,7 @@ class TensorRTSession(EngineSession):
                     tensor = self._buffer(value.shape, spec.dtype)
                     tensor.copy_(to_torch(np.ascontiguousarray(value)))
                 else:                                  # a pool, on this device: used in place
-                    tensor = value.contiguous()
+                    tensor = value.to(self._device).contiguous()    # (a previous stage's streams: moved here)
                 if not self._context.set_input_shape(spec.name, tuple(tensor.shape)):
                     raise V4EngineError(f"TensorRT refused shape {tuple(tensor.shape)} for input '{spec.name}'")
                 self._context.set_tensor_address(spec.name, tensor.data_ptr())
@@ -116,4 +116,4 @@ class TensorRTSession(EngineSession):
             if not self._context.execute_async_v3(self._stream.cuda_stream):
                 raise V4EngineError(f"TensorRT failed to run the engine on input_ids {feeds['input_ids'].shape}")
             self._stream.synchronize()
-        return {name: t if name.startswith(NEW_PREFIX) else to_numpy(t) for name, t in outputs.items()}
+        return {name: t if self.on_device(name) else to_numpy(t) for name, t in outputs.items()}

@@ -84,15 +84,18 @@ class Metrics:
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         params = io.parameters(args)
-        providers, device_pools = None, None
+        providers, device_pools, devices = None, None, None
         if args["model_instance_kind"] == "GPU":       # ONNX Runtime's CUDA provider on this instance's device
             names = params["providers"].split(",")
             providers = [(n, {"device_id": args["model_instance_device_id"]}) if n == "CUDAExecutionProvider"
                          else n for n in names]
+        elif "gpus" in params:                          # KIND_MODEL: pipeline stage i on gpus[i]
+            providers, devices = params["providers"].split(","), [int(g) for g in params["gpus"].split(",")]
+        if providers is not None:
             # the caches live on the GPU where this Python has torch; without it on the host (copied every call)
             device_pools = None if find_spec("torch") else False
         generator = Generator.from_engine_dir(params["engine_dir"], max_batch=int(params["max_batch"]),
-                                              providers=providers, device_pools=device_pools)
+                                              providers=providers, device_pools=device_pools, devices=devices)
         self.metrics = Metrics({"model": args["model_name"], "version": args["model_version"]},
                                positions=generator.scheduler.mtp)
         self.gauges = (self.metrics.waiting, self.metrics.running, self.metrics.pending, self.metrics.cache_bytes)

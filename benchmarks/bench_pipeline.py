@@ -3,8 +3,9 @@ different stages pay on one machine.
 
 examples/tiny-v4 (6 layers) built with --mtp 3 as one graph and as 2 pipeline stages. Four requests at once
 (batch 4), each a random prompt of 64 tokens, greedy, 48 new tokens, MTP 3. Each system generates the same
-requests, the systems taking turns, `--repeats` rounds; reported: the best tokens/s of each, the median target
-call (ms), and whether its tokens equal the one-graph engine's. Systems:
+requests, the systems taking turns, `--repeats` rounds; reported: the best tokens/s of each, the median verify call
+(the target on 4 rows of k + 1 tokens) and draft call (ms), the engine's share of the wall time, and whether its
+tokens equal the one-graph engine's. Systems:
 - one graph, 2 threads (the default) and 1 thread;
 - two stages called one after the other (what a pipeline does with one batch in flight), 2 threads per stage;
 - two stages with a call's rows cut in 2 micro-batches in flight at once (one worker thread per stage), with
@@ -48,25 +49,31 @@ def main() -> None:
         generators[name] = Generator.from_engine_dir(engines[stages], **options)
         calls[name] = []
         generators[name].scheduler.on_call = \
-            lambda graph, shape, seconds, name=name: calls[name].append(seconds) if graph == "target" else None
+            lambda graph, shape, seconds, name=name: calls[name].append((graph, shape[1], seconds))
     vocab = generators["one graph, 2 threads"].manifest.model.vocab_size
     prompts = np.random.default_rng(0).integers(0, vocab, (4, 64)).tolist()
     sampling = SamplingParams(max_new_tokens=48, ignore_eos=True)
     best: dict[str, float] = {}
+    engine_share: dict[str, list[float]] = {name: [] for name in SYSTEMS}
     tokens: dict[str, list[list[int]]] = {}
     for _ in range(args.repeats):
         for name, generator in generators.items():
+            calls[name].clear()
             started = time.perf_counter()
             results = generator.generate(prompts, sampling)
             seconds = time.perf_counter() - started
             tokens[name] = [r.token_ids for r in results]
             best[name] = max(best.get(name, 0.0), sum(map(len, tokens[name])) / seconds)
-    reference = tokens["one graph, 2 threads"]
-    print("| system | tokens/s (best) | vs one graph, 2 threads | median target call | same tokens |")
-    print("|---|---|---|---|---|")
+            engine_share[name].append(sum(c[2] for c in calls[name]) / seconds)
+    reference, base = tokens["one graph, 2 threads"], best["one graph, 2 threads"]
+    print("| system | tokens/s (best) | vs one graph, 2 threads | verify call (median) | draft call (median) | "
+          "engine share of wall | same tokens |")
+    print("|---|---|---|---|---|---|---|")
     for name in SYSTEMS:
-        print(f"| {name} | {best[name]:.1f} | {best[name] / best['one graph, 2 threads']:.2f}x | "
-              f"{statistics.median(calls[name]) * 1e3:.2f} ms | {tokens[name] == reference} |")
+        verify = statistics.median(c[2] for c in calls[name] if c[0] == "target" and c[1] == 4) * 1e3
+        draft = statistics.median(c[2] for c in calls[name] if c[0] == "draft" and c[1] <= 4) * 1e3
+        print(f"| {name} | {best[name]:.1f} | {best[name] / base:.2f}x | {verify:.2f} ms | {draft:.2f} ms | "
+              f"{statistics.median(engine_share[name]):.0%} | {tokens[name] == reference} |")
 
 
 if __name__ == "__main__":

@@ -90,7 +90,8 @@ def export_graph(cfg: V4Config, draft: bool, dtype: torch.dtype = torch.float32,
     dtype_name = str(dtype).removeprefix("torch.")
     stage = stage or single_stage(cfg.num_hidden_layers)[0]
     with torch.device("meta"):                               # no weight memory, whatever the model size
-        model = Transformer(cfg, mtp=draft).stack_experts().to_dtype(dtype).eval()
+        model = Transformer(cfg, mtp=draft, layers=range(0) if draft else stage.layers)
+        model = model.stack_experts().to_dtype(dtype).eval()
     inputs, outputs = graph_specs(cfg, draft, dtype_name, mtp, None if draft else stage)
     max_blocks = CacheLayout(cfg, draft).table_blocks(max_seq_len)
     dims = {"batch": Dim("batch", min=1, max=max_batch), "seq": Dim("seq", min=1, max=max_seq_len),

@@ -411,14 +411,17 @@ class MTPLayer(Block):
 
 
 class Transformer(nn.Module):
-    """The V4 target model (and, with mtp=True, its MTP layer under `mtp.0`)."""
+    """The V4 target model (and, with mtp=True, its MTP layer under `mtp.0`). `layers`: build only these target
+    layers (a pipeline stage's; none for the draft graph), the others empty modules that keep every layer's name:
+    an export of one stage of V4-Flash then does not build 43 layers of 256 experts first."""
 
-    def __init__(self, cfg: V4Config, mtp: bool = True):
+    def __init__(self, cfg: V4Config, mtp: bool = True, layers: range | None = None):
         super().__init__()
         self.cfg = cfg
         n, D = cfg.hc_mult, cfg.hidden_size
+        built = range(cfg.num_hidden_layers) if layers is None else layers
         self.embed = nn.Embedding(cfg.vocab_size, D)
-        self.layers = nn.ModuleList(Block(cfg, kind, cfg.mlp_layer_types[i] == HASH_MOE)
+        self.layers = nn.ModuleList(Block(cfg, kind, cfg.mlp_layer_types[i] == HASH_MOE) if i in built else nn.Module()
                                     for i, kind in enumerate(cfg.layer_types))
         self.norm = RMSNorm(D, cfg.rms_norm_eps)
         self.head = linear(D, cfg.vocab_size)

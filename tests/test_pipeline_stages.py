@@ -36,9 +36,10 @@ STAGE_COUNTS = (1, 2, 3)
 PROMPTS = [[1, 5, 9, 33, 7, 100, 3] * 3, [4, 200, 17], list(range(40, 90))]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def engines(tiny_checkpoint, tmp_path_factory):
-    """(quantize, stages) -> engine folder: flash_like (4 layers), MTP layer agreeing in part, --mtp 3."""
+    """(quantize, stages) -> engine folder: flash_like (4 layers), MTP layer agreeing in part, --mtp 3. Built once
+    per worker (session scope: a module fixture was seen set up twice in one run)."""
     out = {}
     for stages in STAGE_COUNTS:                 # stage count outermost: both formats share each export
         for quantize in ("fp8", "mxfp4"):

@@ -22,24 +22,26 @@ builder and the runtime make by backend come from it; tests/test_backends.py che
 
 Compile records are read from engine.json, which is untrusted: `from_dict` type-checks every field (one at fault is
 one line naming it, EngineFormatError) and what the sessions index by (one entry per graph, profiles of the graph's
-own inputs, programs in the profiles' order). The files they name are opened only through EngineFolder, by the
-session that needs them.
+own inputs, programs in the order of the profiles' buckets). The files they name are opened only through
+EngineFolder, by the session that needs them.
 """
 from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import import_module
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from .buckets import Bucket, graph_buckets
 from .engine_folder import EngineFormatError
 from .profiles import Profile
 from .untrusted import JsonFields
 
 if TYPE_CHECKING:
     from .engine import GraphEntry
+    from .layout import TensorSpec
     from .sessions import EngineSession
 
 T = TypeVar("T")
@@ -165,27 +167,28 @@ class Variant:
 
 @dataclass(frozen=True)
 class Program:
-    """One compiled MIGraphX program: the optimization profile it was compiled for and its file in the engine folder."""
+    """One compiled MIGraphX program: the static shape (bucket, runtime/buckets.py) it was compiled for and its file
+    in the engine folder."""
 
-    profile: str
+    bucket: str
     file: str
 
     @classmethod
-    def read(cls, fields: JsonFields, profile: str) -> Program:
-        """The program engine.json lists in `profile`'s place: it must say it was compiled for that profile."""
-        program = cls(fields.get("profile", str), fields.get("file", str))
-        if program.profile != profile:
-            fields.fail("profile", f"must be {profile!r}: one program per optimization profile, in their order",
-                        program.profile)
+    def read(cls, fields: JsonFields, bucket: str) -> Program:
+        """The program engine.json lists in `bucket`'s place: it must say it was compiled for that bucket."""
+        program = cls(fields.get("bucket", str), fields.get("file", str))
+        if program.bucket != bucket:
+            fields.fail("bucket", f"must be {bucket!r}: one program per bucket of the profiles, in their order",
+                        program.bucket)
         return program
 
 
 @dataclass(frozen=True)
 class MIGraphXCompiled(CompileRecord):
     """The allowlist the variants were checked against (MIGraphX's release and the sources it was read from), each
-    graph's variant and optimization profiles and, once compiled, one program per profile in the profiles' order:
-    `programs` None while compile_migraphx.sh, left in the engine folder, has yet to compile them on the ROCm
-    machine. `migraphx`: the version that compiled them, or why none did."""
+    graph's variant and optimization profiles and, once compiled, one program per bucket of the profiles, in their
+    order (`buckets`): `programs` None while compile_migraphx.sh, left in the engine folder, has yet to compile them
+    on the ROCm machine. `migraphx`: the version that compiled them, or why none did."""
 
     allowlist: dict[str, Any]
     variant: dict[str, Variant]
@@ -197,11 +200,17 @@ class MIGraphXCompiled(CompileRecord):
     def from_dict(cls, raw: Any, source: str, graphs: Mapping[str, GraphEntry]) -> MIGraphXCompiled:
         record = _record(raw, source)
         profiles = _profiles(record, graphs)
+        buckets = {}
+        for graph, entry in graphs.items():
+            try:
+                buckets[graph] = graph_buckets(profiles[graph], entry.inputs)
+            except ValueError as e:
+                record.fail("profiles", f"{graph}'s must give each dimension one range ({e})", graph)
 
         def programs(entries: JsonFields, graph: str) -> tuple[Program, ...]:
-            listed, names = _objects(entries, graph), [profile.name for profile in profiles[graph]]
+            listed, names = _objects(entries, graph), [bucket.name for bucket in buckets[graph]]
             if len(listed) != len(names):
-                entries.fail(graph, f"must list one program per optimization profile, {names}", len(listed))
+                entries.fail(graph, f"must list one program per bucket of the profiles, {names}", len(listed))
             return tuple(Program.read(program, name) for program, name in zip(listed, names))
 
         compiled = record.get("programs", (dict, type(None)))
@@ -209,6 +218,10 @@ class MIGraphXCompiled(CompileRecord):
                    _per_graph(record, "variant", graphs, lambda variants, graph: Variant.read(variants.nested(graph))),
                    profiles, record.get("migraphx", str),
                    None if compiled is None else _per_graph(record, "programs", graphs, programs))
+
+    def buckets(self, graph: str, inputs: Sequence[TensorSpec]) -> list[Bucket]:
+        """`graph`'s buckets: what its programs were compiled for, in their order."""
+        return graph_buckets(self.profiles[graph], inputs)
 
 
 # ---------------------------------------------------------------------- the registry

@@ -203,6 +203,10 @@ class CacheLayout:
         return address + [TensorSpec(g.pool, dtype, ("pool_blocks", g.block_rows, g.width) if g.ratio
                                      else ("pool_slots", g.rows_fixed, g.width)) for g in self.groups]
 
+    def emitted(self, seq: int) -> dict[str, int]:
+        """The rows dimension of the growing groups' `new.*` outputs in a call of `seq` positions, by name."""
+        return {_dynamic_rows(g, "emitted"): emitted_rows(seq, g.ratio, 0) for g in self.groups if g.ratio}
+
     def outputs(self, dtype: str) -> list[TensorSpec]:
         """`new.*`: per-position deltas, or the rows of the windows a forward closed."""
         return [TensorSpec(g.new, dtype, ("batch", _dynamic_rows(g, "emitted") if g.ratio else "seq", g.width))

@@ -140,7 +140,11 @@ class Scheduler:
         layout = manifest.caches["target"]
         blocks = min(max(1, (self.budget - max_batch * self.cache_bytes(0)) // layout.block_bytes),
                      max_batch * layout.table_blocks(max_seq_len)) if layout.block_bytes else 0
-        self.pools = {part: CachePool(layout, max_batch, blocks if part == "target" else 0, storage)
+        # A session of static shapes (MIGraphX's programs) takes pools of its own sizes and no other
+        fixed = {part: (session.pool_shape if session is not None else None) or {}
+                 for part, session in (("target", target), ("draft", draft))}
+        self.pools = {part: CachePool(layout, fixed[part].get("pool_slots", max_batch),
+                                      fixed[part].get("pool_blocks", blocks if part == "target" else 0), storage)
                       for part, layout in manifest.caches.items()}
         # Snapshots (rings, and the streams a drafting fork recomputes its window from) live beside the pools: an
         # eighth of the budget, but room for two per batch row at least (a wide model's rings are large against

@@ -127,19 +127,23 @@ def test_a_profile_shape_of_another_rank_is_refused(engines, tmp_path):
                                                                                       plant))
 
 
-def test_migraphx_programs_must_follow_the_profiles_order(engines, tmp_path):
+def test_migraphx_programs_must_follow_the_buckets_order(engines, tmp_path):
+    """One program per bucket of static shapes (runtime/buckets.py) of the profiles, in their order."""
     engine = engines("migraphx")
-    profiles = engine_json(engine)["build"]["compile"]["profiles"]
-    programs = {graph: [{"profile": p["name"], "file": f"{graph}.{p['name']}.mxr"} for p in ps]
-                for graph, ps in profiles.items()}
+    manifest = EngineManifest.read(engine)
+    buckets = {graph: [b.name for b in manifest.compiled.buckets(graph, entry.inputs)]
+               for graph, entry in manifest.graphs.items()}
+    programs = {graph: [{"bucket": name, "file": f"{graph}.{name}.mxr"} for name in names]
+                for graph, names in buckets.items()}
     compiled = EngineManifest.read(damaged(engine, tmp_path / "ordered", lambda r: r.update(programs=programs)))
-    assert [p.file for p in compiled.compiled.programs["draft"]] == ["draft.extend.mxr", "draft.cycle.mxr"]
+    assert [p.file for p in compiled.compiled.programs["draft"]] == [f"draft.{n}.mxr" for n in buckets["draft"]]
+    assert buckets["draft"][0] == "extend.b1" and buckets["draft"][-1].startswith("cycle.b")
     swapped = {**programs, "draft": programs["draft"][::-1]}
     message = refused(damaged(engine, tmp_path / "swapped", lambda r: r.update(programs=swapped)))
-    assert "'build.compile.programs.draft[0].profile' must be 'extend'" in message
+    assert "'build.compile.programs.draft[0].bucket' must be 'extend.b1'" in message
     missing = {**programs, "draft": programs["draft"][:1]}
     message = refused(damaged(engine, tmp_path / "missing", lambda r: r.update(programs=missing)))
-    assert "'build.compile.programs.draft'" in message and "['extend', 'cycle']" in message
+    assert "'build.compile.programs.draft' must list one program per bucket" in message
 
 
 def test_plans_for_other_graphs_are_refused(engines, tmp_path):

@@ -7,6 +7,10 @@
    and names each planted offender: a standard Attention node, RMSNormalization, a FLOAT8E4M3FN initializer,
    an opset beyond 19.
 3. Without MIGraphX the engine folder carries compile_migraphx.sh, and opening it fails with one clear line.
+4. With MIGraphX's module stood in for (tests/migraphx_standin.py: its documented semantics run by ONNX Runtime),
+   the build compiles one program per bucket of static shapes, and the session, padding each call up to a
+   bucket, passing weights, pools and outputs by address, gives the portable engine's tokens and acceptance;
+   a program compiled for another shape, or outside the engine folder, is refused in one line.
 """
 from __future__ import annotations
 
@@ -14,18 +18,20 @@ import dataclasses
 import re
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 
 import onnx
 import pytest
+import torch
 from onnx import TensorProto, helper
 
 from v4engine.builder.backends.compare import compare_with_onnxruntime
-from v4engine.builder.backends.migraphx import MIGraphXCheckError, allowlist, check, offenders
+from v4engine.builder.backends.migraphx import MIGraphXCheckError, allowlist, check, compile_programs, offenders
 from v4engine.builder.build import BuildOptions, build
 from v4engine.runtime.backends import Program
 from v4engine.runtime.engine import EngineManifest
+from v4engine.runtime.engine_folder import EngineFormatError
 from v4engine.runtime.generator import Generator
+from v4engine.runtime.sampling import SamplingParams
 from v4engine.runtime.sessions import open_session
 
 pytestmark = pytest.mark.xdist_group("migraphx_backend")
@@ -115,20 +121,93 @@ def test_without_migraphx_the_engine_carries_its_compile_script_and_does_not_ope
     assert "\n" not in str(failure.value)
 
 
-def test_the_session_loads_one_program_per_profile_in_their_order(engines, tmp_path, monkeypatch):
-    """MIGraphX's module stood in for: a graph's session loads the programs engine.json's compile record names for
-    it, one per optimization profile, in the profiles' order, each checked by the engine folder first."""
-    from v4engine.runtime.sessions import migraphx as session_module
+@pytest.fixture(scope="module")
+def compiled(engines, tmp_path_factory):
+    """The MIGraphX engine with its programs compiled by the stand-in (tests/migraphx_standin.py): one per bucket."""
+    import migraphx_standin
 
-    engine = Path(shutil.copytree(engines[0], tmp_path / "engine", symlinks=True))
+    engine = Path(shutil.copytree(engines[0], tmp_path_factory.mktemp("compiled") / "engine", symlinks=True))
     manifest = EngineManifest.read(engine)
-    programs = {graph: tuple(Program(p.name, f"{graph}.{p.name}.mxr") for p in profiles)
-                for graph, profiles in manifest.compiled.profiles.items()}
-    for program in (p for graph_programs in programs.values() for p in graph_programs):
-        (engine / program.file).write_bytes(b"program")
+    programs = compile_programs(engine, manifest, migraphx_standin, manifest.compiled.profiles, progress=False)
     manifest.compiled = dataclasses.replace(manifest.compiled, migraphx="stand-in", programs=programs)
     manifest.write(engine)
-    loaded = []
-    monkeypatch.setattr(session_module, "_migraphx", lambda: SimpleNamespace(load=loaded.append))
-    open_session(engine, EngineManifest.read(engine), "draft")
-    assert [Path(path).name for path in loaded] == ["draft.extend.mxr", "draft.cycle.mxr"]
+    return engine
+
+
+@pytest.fixture
+def standin(monkeypatch):
+    """MIGraphX's module and a ROCm GPU stood in for: the stand-in's programs, torch CPU tensors as device memory."""
+    import migraphx_standin
+    from v4engine.runtime.sessions import migraphx as session_module
+
+    monkeypatch.setattr(session_module, "_migraphx", lambda: migraphx_standin)
+    monkeypatch.setattr(session_module, "_gpu", lambda device: (torch, torch.device("cpu")))
+    migraphx_standin.runs.clear()
+    return migraphx_standin
+
+
+def test_one_program_per_bucket_of_static_shapes(compiled):
+    manifest = EngineManifest.read(compiled)
+    draft = [p.bucket for p in manifest.compiled.programs["draft"]]
+    assert draft == ["extend.b1", "extend.b2", "extend.b4", "cycle.b1", "cycle.b2", "cycle.b4"]
+    target = [p.bucket for p in manifest.compiled.programs["target"]]
+    blocks = manifest.caches["target"].table_blocks(manifest.build["max_seq_len"])
+    widths = [w for w in (1, 2, 4, 8) if w < blocks] + [blocks]
+    assert target == [f"{kind}.b{b}.t{t}" for kind in ("prefill", "verify") for b in (1, 2, 4) for t in widths]
+    assert all((compiled / p.file).is_file() for ps in manifest.compiled.programs.values() for p in ps)
+
+
+def test_programs_run_the_tokens_and_acceptance_of_onnx_runtime(engines, compiled, standin):
+    """Padded up to their buckets (a batch of 3 to 4 rows, verify rows riding along a prefill chunk, block tables
+    widened), with weights, pools and outputs passed by address, the programs give the portable engine's tokens
+    and per-step acceptance; the pools are the session's, at the buckets' exact sizes, and never copied."""
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    batch = [[(7 * i + 3 * j) % 90 + 2 for j in range(length)] for i, length in enumerate((5, 41, 23))]
+    want = Generator.from_engine_dir(engines[1], mtp=2, prefix_cache=False).generate(batch, params)
+    generator = Generator.from_engine_dir(compiled, mtp=2, prefix_cache=False)
+    got = generator.generate(batch, params)
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids
+        assert g.metrics["accepted_per_step"] == w.metrics["accepted_per_step"]
+    session, manifest = generator.scheduler.target_session, EngineManifest.read(compiled)
+    blocks = manifest.build["max_batch"] * manifest.caches["target"].table_blocks(manifest.build["max_seq_len"])
+    assert session.pool_shape == {"pool_slots": manifest.build["max_batch"], "pool_blocks": blocks}
+    pools = generator.scheduler.pools["target"].arrays
+    assert all(isinstance(a, torch.Tensor) for a in pools.values())
+    assert {a.shape[0] for name, a in pools.items()} == {manifest.build["max_batch"], blocks}
+    weights = set(session._weights)
+    target_runs = [set(run.split(",")) for run in standin.runs if "lengths" not in run]       # (the draft's take it)
+    assert weights and target_runs and all(weights <= run for run in target_runs)
+    assert any("main:#output_:00010" in run for run in standin.runs)
+
+
+def test_a_program_of_another_shape_or_outside_the_engine_is_refused(compiled, standin, tmp_path):
+    engine = Path(shutil.copytree(compiled, tmp_path / "engine", symlinks=True))
+    manifest = EngineManifest.read(engine)
+    programs = manifest.compiled.programs["draft"]
+    swapped = (programs[1], Program(programs[1].bucket, programs[0].file)) + programs[2:]     # b2's bucket, b1's file
+    manifest.compiled = dataclasses.replace(manifest.compiled, programs={**manifest.compiled.programs,
+                                                                         "draft": (programs[0],) + swapped[1:]})
+    manifest.write(engine)
+    with pytest.raises(EngineFormatError, match="bucket extend.b2") as failure:
+        open_session(engine, EngineManifest.read(engine), "draft")
+    assert "\n" not in str(failure.value)
+    shutil.copy(engine / programs[0].file, tmp_path / "outside.mxr")         # a program outside the folder
+    outside = (Program(programs[0].bucket, "../outside.mxr"),) + programs[1:]
+    manifest.compiled = dataclasses.replace(manifest.compiled, programs={**manifest.compiled.programs,
+                                                                         "draft": outside})
+    manifest.write(engine)
+    with pytest.raises(EngineFormatError, match=r"build\.compile\.programs\.draft\[0\]\.file") as failure:
+        open_session(engine, EngineManifest.read(engine), "draft")
+    assert "\n" not in str(failure.value)
+
+
+def test_without_torch_on_a_gpu_the_programs_do_not_open(compiled, monkeypatch):
+    import migraphx_standin
+    from v4engine.runtime.sessions import migraphx as session_module
+
+    monkeypatch.setattr(session_module, "_migraphx", lambda: migraphx_standin)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(session_module.MIGraphXUnavailable, match="AMD GPU") as failure:
+        open_session(compiled, EngineManifest.read(compiled), "draft")
+    assert "\n" not in str(failure.value)

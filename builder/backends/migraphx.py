@@ -13,9 +13,12 @@ reads model-local functions, documents opsets up to 19 and rejects FLOAT8E4M3FN 
 3. the opset is lowered to 19 (`lower_opset`), and onnx.checker and strict shape inference prove it;
 4. `check` compares every op, tensor type and the opset with the allowlist and fails the build with one line
    naming every offender.
-Then, where the `migraphx` module imports, each graph is parsed and compiled once per optimization profile
-(dynamic dims from the profile's min/opt/max) and saved as `{graph}.{profile}.mxr`; elsewhere the engine folder gets
-`compile_migraphx.sh`, which does the same on the ROCm machine (`python -m v4engine.builder.backends.migraphx`).
+Then, where the `migraphx` module imports, each graph is compiled once per bucket of its optimization profiles
+(static shapes, runtime/buckets.py: MIGraphX's releases compile a graph of several dynamic dimensions only behind
+a development option, and take the caller's output buffers only at static shapes), with offload_copy off and the
+weights as parameters (so that the buckets' programs share one copy of them on the GPU), and saved as
+`{graph}.{bucket}.mxr`; elsewhere the engine folder gets `compile_migraphx.sh`, which does the same on the ROCm
+machine (`python -m v4engine.builder.backends.migraphx`).
 """
 from __future__ import annotations
 
@@ -29,11 +32,14 @@ from typing import TYPE_CHECKING, Any
 
 import onnx
 from onnx import inliner
+from tqdm import tqdm
 
 from v4engine.runtime.backends import MIGraphXCompiled, Program, Variant
+from v4engine.runtime.buckets import graph_buckets
 from v4engine.runtime.engine import EngineManifest
 from v4engine.runtime.errors import V4EngineError
 from v4engine.runtime.profiles import Profile
+from v4engine.runtime.sessions.migraphx import weight_parameters
 
 from ..weights import use_stored_experts
 from .profiles import engine_profiles
@@ -134,20 +140,39 @@ def prepare_graph(model: onnx.ModelProto, name: str) -> tuple[onnx.ModelProto, V
     return model, Variant(len(model.graph.node), allowlist()["max_opset"])
 
 
+def weights_as_inputs(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of a variant whose weights (the initializers held in the engine's weight files) are graph inputs
+    instead: what each program is compiled from, so that it takes them by address and all of a graph's programs
+    share one copy on the GPU (runtime/sessions/migraphx.py loads them). Small constants stay inside."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    moved = {t.name for t in weight_parameters(out.graph)}
+    kept = [t for t in out.graph.initializer if t.name not in moved]
+    out.graph.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+                           for t in weight_parameters(out.graph))
+    del out.graph.initializer[:]
+    out.graph.initializer.extend(kept)
+    return out
+
+
 def compile_programs(engine_dir: Path, manifest: EngineManifest, migraphx: Any,
-                     graph_profiles: Mapping[str, Sequence[Profile]]) -> dict[str, tuple[Program, ...]]:
-    """Parse and compile every graph once per optimization profile for the GPU; save `{graph}.{profile}.mxr`."""
+                     graph_profiles: Mapping[str, Sequence[Profile]], progress: bool = True
+                     ) -> dict[str, tuple[Program, ...]]:
+    """Compile every graph once per bucket of its profiles (runtime/buckets.py) for the GPU, static shapes, outputs
+    in the caller's buffers (offload_copy off), weights as parameters; save `{graph}.{bucket}.mxr`."""
     out: dict[str, tuple[Program, ...]] = {}
     for graph, entry in manifest.graphs.items():
+        model = onnx.load(str(engine_dir / entry.file), load_external_data=False)
+        data = weights_as_inputs(model).SerializeToString()       # no initializer left outside: parsed from bytes
         programs = []
-        for profile in graph_profiles[graph]:
-            dims = {name: [migraphx.shape.dynamic_dimension(lo, hi, {opt} if lo != hi else set())
-                           for lo, opt, hi in zip(*ranges)] for name, ranges in profile.shapes.items()}
-            program = migraphx.parse_onnx(str(engine_dir / entry.file), map_dyn_input_dims=dims)
-            program.compile(migraphx.get_target("gpu"))
-            file = f"{graph}.{profile.name}.mxr"
+        for bucket in tqdm(graph_buckets(graph_profiles[graph], entry.inputs), desc=f"MIGraphX {graph}",
+                           unit="program", disable=not progress):
+            program = migraphx.parse_onnx_buffer(data, map_input_dims={spec.name: list(bucket.shape(spec))
+                                                                       for spec in entry.inputs})
+            program.compile(migraphx.get_target("gpu"), offload_copy=False)
+            file = f"{graph}.{bucket.name}.mxr"
             migraphx.save(program, str(engine_dir / file))
-            programs.append(Program(profile.name, file))
+            programs.append(Program(bucket.name, file))
         out[graph] = tuple(programs)
     return out
 
@@ -170,7 +195,7 @@ def compile_engine(engine_dir: Path, manifest: EngineManifest, options: BuildOpt
         version, programs = "not installed here: run compile_migraphx.sh on the ROCm machine", None
     else:
         version = getattr(migraphx, "__version__", "unknown")
-        programs = compile_programs(engine_dir, manifest, migraphx, graph_profiles)
+        programs = compile_programs(engine_dir, manifest, migraphx, graph_profiles, options.progress)
     return MIGraphXCompiled({"migraphx": allowed["migraphx_version"], "source": allowed["source"]}, prepared,
                             graph_profiles, version, programs)
 

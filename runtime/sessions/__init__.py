@@ -23,11 +23,14 @@ class EngineSession(ABC):
     `pool_device` says where the session reads the cache pools: None, host numpy arrays (and every output is
     numpy); a torch device ("cuda:0"), torch tensors there, read in place, and the `new.*` outputs may be torch
     tensors there too (the pool writes them on the device), as may those named in `keep_on_device` (a pipeline
-    stage's streams, for the next stage). The other outputs are always numpy."""
+    stage's streams, for the next stage). The other outputs are always numpy. `pool_shape`: the pool sizes
+    (`pool_slots`, `pool_blocks`) a session of static shapes takes and no other (MIGraphX's programs), which the
+    scheduler then allocates; None: any."""
 
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
     pool_device: str | None = None
+    pool_shape: dict[str, int] | None = None
     keep_on_device: frozenset[str] = frozenset()    # outputs besides `new.*` left on the device (a stage's streams)
 
     @abstractmethod

@@ -1,33 +1,55 @@
 """MIGraphX session over one graph of an engine directory, on an AMD GPU under ROCm.
 
 Two ways to run a MIGraphX engine, chosen by what is installed:
-- the `migraphx` Python module: the programs the build (or compile_migraphx.sh) compiled, one per optimization
-  profile (`{graph}.{profile}.mxr`, listed in engine.json); each call runs the tightest profile's program;
+- the `migraphx` Python module: the programs the build (or compile_migraphx.sh) compiled, one per bucket of static
+  shapes (runtime/buckets.py: MIGraphX's releases compile and run our graphs only at static shapes), listed in
+  engine.json; each call is padded up to the smallest bucket covering it and runs that bucket's program;
 - ONNX Runtime's MIGraphX execution provider (onnxruntime-migraphx): the MIGraphX variant graph, which ONNX
-  Runtime hands to MIGraphX (nodes MIGraphX cannot take fall back to the CPU).
-The programs take host numpy pools, which their offload_copy copies to the GPU every call (keep their budget
-small); through ONNX Runtime the pools are torch tensors on the GPU, bound in place (sessions/onnxruntime.py).
-Written to MIGraphX's documented Python API; not yet run on ROCm (README, backends).
+  Runtime hands to MIGraphX (nodes MIGraphX cannot take fall back to the CPU). Its releases keep one compiled
+  program per graph and compile again whenever a call's shapes change, so it suits a fixed batch, not decoding.
+
+The programs were compiled with offload_copy off and with the weights the graph reads from the engine's weight
+files as parameters (builder/backends/migraphx.py), so that every tensor they touch is ours, on the GPU, passed
+by address (`argument_from_pointer`), never copied by MIGraphX:
+- the weights, read once from the engine's weight files (through the engine folder's checks) into torch tensors
+  on the GPU, shared by all the buckets' programs (a program holding its own weights would hold the model once
+  per bucket);
+- the cache pools, torch tensors on the GPU that the scheduler allocates at the buckets' pool sizes
+  (`pool_shape`) and the pool writes in place (runtime/pool_arrays.py);
+- the call's small inputs, copied to the GPU and padded there; the outputs, allocated here at the bucket's shapes
+  as the program's output parameters (`main:#output_N`) and cut back to the call's: the new rows stay on the GPU,
+  the rest come to the host (bf16 through its bits: MIGraphX's Python buffers take no bf16).
+The program runs on torch's current stream (`run_async`), so it follows the pools' writes and precedes the reads
+of its outputs without a host wait. torch here is a ROCm build (its GPUs are torch.cuda's).
+Written to MIGraphX's documented Python API (ROCm 6.4 to 7.2); not yet run on ROCm (README, backends).
 """
 from __future__ import annotations
 
+import contextlib
+import warnings
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ..backends import MIGraphXCompiled
+from ..buckets import call_dims, choose_bucket, cut, padded
 from ..engine import EngineManifest
-from ..engine_folder import EngineFolder
+from ..engine_folder import EngineFolder, EngineFormatError, MappedWeights, read_graph
 from ..errors import V4EngineError
-from ..profiles import choose_profile
-from . import EngineSession
+from ..pool_arrays import to_numpy, to_torch
+from ..untrusted import shown
+from . import EngineRunError, EngineSession, checked_outputs
 
 PROVIDER = "MIGraphXExecutionProvider"
+OUTPUT_PARAMETER = "#output_"        # MIGraphX names output buffers main:#output_0.. (main:#output_:00010 from 10)
+SHAPE_TYPES = {"float32": "float_type", "float16": "half_type", "bfloat16": "bf16_type", "float64": "double_type",
+               "int64": "int64_type", "int32": "int32_type", "int8": "int8_type", "uint8": "uint8_type",
+               "bool": "bool_type"}          # torch dtype name -> migraphx.shape type
 
 
 class MIGraphXUnavailable(V4EngineError):
-    """Neither the migraphx module nor ONNX Runtime's MIGraphX execution provider is installed here."""
+    """Neither the migraphx module (with torch on a ROCm GPU) nor ONNX Runtime's MIGraphX provider is here."""
 
 
 def _migraphx() -> Any | None:
@@ -38,45 +60,149 @@ def _migraphx() -> Any | None:
     return migraphx
 
 
+def _gpu(device: int | None) -> tuple[Any, Any]:
+    """(torch, the torch device the programs and their tensors live on): a ROCm GPU, `device` or the current one."""
+    try:
+        import torch
+    except ImportError:
+        raise MIGraphXUnavailable("MIGraphX's programs take their tensors from torch: install a ROCm build of torch "
+                                  "beside the migraphx module") from None
+    if not torch.cuda.is_available():
+        raise MIGraphXUnavailable("MIGraphX's programs run on an AMD GPU, and torch sees none here")
+    return torch, torch.device("cuda", torch.cuda.current_device() if device is None else device)
+
+
+def weight_parameters(graph: Any) -> list[Any]:
+    """The initializers of an ONNX graph whose bytes live in the engine's weight files: what the MIGraphX programs
+    take as parameters (the build turns exactly these into graph inputs; small constants stay inside)."""
+    from onnx import TensorProto
+
+    return [t for t in graph.initializer if t.data_location == TensorProto.EXTERNAL]
+
+
+def _output_index(name: str) -> int:
+    return int(name.rsplit(OUTPUT_PARAMETER, 1)[1].lstrip(":"))
+
+
 class MIGraphXSession(EngineSession):
     def __init__(self, engine_dir: str | Path, manifest: EngineManifest, graph: str, device: int | None = None):
-        """`device`: the GPU, through ONNX Runtime's MIGraphX provider (its device_id); MIGraphX's own programs run
-        on the process's first GPU only (their Python API chooses none)."""
+        """`device`: the GPU (for the programs: the one current while they load, which they then run on; for
+        ONNX Runtime's provider: its device_id)."""
         folder = EngineFolder(engine_dir)
         entry = manifest.graphs[graph]
-        self.inputs, self.outputs = entry.inputs, entry.outputs
+        self.graph, self.inputs, self.outputs = folder.directory / entry.file, entry.inputs, entry.outputs
         compiled = manifest.compiled
         assert isinstance(compiled, MIGraphXCompiled)       # EngineManifest.read reads it by the backend's record
         migraphx = _migraphx()
-        self._programs: list[Any] = []
         self._onnxruntime = None
         if migraphx is not None and compiled.programs is not None:
-            if device not in (None, 0):
-                raise MIGraphXUnavailable(f"{folder.directory}: MIGraphX's own programs run on the first GPU only; "
-                                          f"for device {device} use onnxruntime-migraphx (without the migraphx "
-                                          "module), or one process per GPU with HIP_VISIBLE_DEVICES")
-            self._migraphx = migraphx
-            self._profiles = compiled.profiles[graph]      # program i was compiled for profile i (checked on reading)
-            self._programs = [migraphx.load(str(folder.checked_path(
-                program.file, f"build.compile.programs.{graph}[{i}].file", "compiled")))
-                for i, program in enumerate(compiled.programs[graph])]
+            self._open_programs(folder, manifest, graph, migraphx, device)
             return
         import onnxruntime as ort
 
         if PROVIDER not in ort.get_available_providers():
             raise MIGraphXUnavailable(
-                f"{folder.directory} is a MIGraphX engine: install MIGraphX's Python module (and run compile_migraphx.sh "
-                f"there) or onnxruntime-migraphx, on a ROCm machine")
+                f"{folder.directory} is a MIGraphX engine: install MIGraphX's Python module (and run "
+                "compile_migraphx.sh there) or onnxruntime-migraphx, on a ROCm machine")
         from .onnxruntime import OnnxRuntimeSession
 
         self._onnxruntime = OnnxRuntimeSession(engine_dir, manifest, graph, device=device,
                                                providers=[PROVIDER, "CPUExecutionProvider"])
         self.pool_device = self._onnxruntime.pool_device      # its pools on the GPU, bound through an IOBinding
 
-    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    # ------------------------------------------------------------------ the programs
+    def _open_programs(self, folder: EngineFolder, manifest: EngineManifest, graph: str, migraphx: Any,
+                       device: int | None) -> None:
+        compiled = manifest.compiled
+        self._migraphx = migraphx
+        self._torch, self._device = _gpu(device)
+        self.pool_device = str(self._device)
+        self._layout = manifest.layout_of(graph)
+        self._buckets = compiled.buckets(graph, self.inputs)
+        self.pool_shape = {n: v for n, v in self._buckets[0].dims.items() if n.startswith("pool_")}
+        weights = folder.map_weights(manifest.weights)
+        with self._on_device():          # a program belongs to the GPU current when it is loaded
+            self._programs = [migraphx.load(str(folder.checked_path(
+                program.file, f"build.compile.programs.{graph}[{i}].file", "compiled")))
+                for i, program in enumerate(compiled.programs[graph])]
+        self._output_parameters = [self._checked_parameters(program, bucket)
+                                   for program, bucket in zip(self._programs, self._buckets)]
+        self._weights = self._resident_weights(folder, manifest.graphs[graph], weights)
+        weights.release_pages()
+        self._weight_arguments = {name: self._argument(tensor) for name, tensor in self._weights.items()}
+
+    def _on_device(self) -> Any:
+        return self._torch.cuda.device(self._device) if self._device.type == "cuda" else contextlib.nullcontext()
+
+    def _checked_parameters(self, program: Any, bucket: Any) -> list[str]:
+        """The program's output parameters in output order, once its inputs and outputs have the bucket's shapes
+        (a program compiled for another shape than engine.json says is refused, not run)."""
+        shapes = program.get_parameter_shapes()
+        outputs = sorted((name for name in shapes if OUTPUT_PARAMETER in name), key=_output_index)
+        more = self._layout.emitted(bucket.dims["seq"])
+        expected = [(spec.name, bucket.shape(spec)) for spec in self.inputs]
+        expected += [(name, bucket.shape(spec, more)) for name, spec in zip(outputs, self.outputs)]
+        for name, shape in expected:
+            got = tuple(shapes[name].lens()) if name in shapes else None
+            if got != shape or len(outputs) != len(self.outputs):
+                raise EngineFormatError(f"{self.graph}: the program for bucket {bucket.name} takes {shown(name)} of "
+                                        f"shape {got} and {len(outputs)} outputs, not {shape} and "
+                                        f"{len(self.outputs)}; compiled for another engine? refused")
+        return outputs
+
+    def _resident_weights(self, folder: EngineFolder, entry: Any, weights: MappedWeights) -> dict[str, Any]:
+        """Every weight parameter, from its checked bytes in the engine's weight files to a tensor on the device."""
+        from onnx import ModelProto, helper
+        from onnx.external_data_helper import ExternalDataInfo
+
+        proto = ModelProto.FromString(read_graph(folder, entry, weights))     # external data checked there
+        resident = {}
+        for tensor in weight_parameters(proto.graph):
+            info = ExternalDataInfo(tensor)
+            dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type))
+            if info.length != int(np.prod(tensor.dims)) * dtype.itemsize:
+                raise EngineFormatError(f"{self.graph}: tensor {shown(tensor.name)} has {info.length} bytes of "
+                                        f"external data for shape {list(tensor.dims)} of {dtype}; refused")
+            stored = weights.maps[info.location][info.offset or 0: (info.offset or 0) + info.length]
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")             # read-only map: torch only copies it to the device
+                resident[tensor.name] = to_torch(stored.view(dtype).reshape(tuple(tensor.dims))).to(self._device)
+        return resident
+
+    def _argument(self, tensor: Any) -> Any:
+        """A MIGraphX argument over a contiguous torch tensor's memory, by address (nothing copied)."""
+        shape = self._migraphx.shape(type=SHAPE_TYPES[str(tensor.dtype).removeprefix("torch.")],
+                                     lens=list(tensor.shape))
+        return self._migraphx.argument_from_pointer(shape, tensor.data_ptr())
+
+    def run(self, feeds: dict[str, Any]) -> dict[str, Any]:
         if self._onnxruntime is not None:
             return self._onnxruntime.run(feeds)
-        program = self._programs[choose_profile(self._profiles, {n: tuple(a.shape) for n, a in feeds.items()})]
-        arguments = {name: self._migraphx.argument(np.ascontiguousarray(array)) for name, array in feeds.items()}
-        results = program.run(arguments)
-        return {spec.name: np.array(result) for spec, result in zip(self.outputs, results)}
+        torch = self._torch
+        dims = call_dims(feeds, self.inputs)
+        bucket = choose_bucket(self._buckets, dims)
+        index = self._buckets.index(bucket)
+        arguments, held = dict(self._weight_arguments), []     # held: alive until the program has run
+        for spec in self.inputs:
+            value = feeds[spec.name]
+            tensor = to_torch(np.ascontiguousarray(value)) if isinstance(value, np.ndarray) else value
+            tensor = padded(torch, spec.name, tensor.to(self._device), spec, bucket).contiguous()
+            held.append(tensor)
+            arguments[spec.name] = self._argument(tensor)
+        more = self._layout.emitted(bucket.dims["seq"])
+        outputs = {}
+        for spec, parameter in zip(self.outputs, self._output_parameters[index]):
+            outputs[spec.name] = torch.empty(bucket.shape(spec, more), dtype=getattr(torch, spec.dtype),
+                                             device=self._device)
+            arguments[parameter] = self._argument(outputs[spec.name])
+        stream = torch.cuda.current_stream(self._device).cuda_stream if self._device.type == "cuda" else 0
+        try:
+            with self._on_device():
+                self._programs[index].run_async(arguments, stream, "ihipStream_t")
+        except RuntimeError as e:
+            raise EngineRunError(f"{self.graph}: MIGraphX failed on bucket {bucket.name}: "
+                                 f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        real = dims | self._layout.emitted(dims["seq"])
+        results = {spec.name: cut(outputs[spec.name], spec, real) for spec in self.outputs}
+        return checked_outputs(self, feeds, {name: value if self.on_device(name) else to_numpy(value)
+                                             for name, value in results.items()}, self.graph)

@@ -38,7 +38,7 @@ class PipelineSession(EngineSession):
                                            if spec.name.startswith(NEW_PREFIX))
         self._device_of = {spec.name: stage.pool_device for stage in stages for spec in stage.inputs
                            if spec.name.startswith("pool.")}
-        self.pool_device = stages[-1].pool_device
+        self.pool_device, self.pool_shape = stages[-1].pool_device, stages[-1].pool_shape   # (every stage's limits)
         for stage in stages[:-1]:           # streams stay where the next stage can take them without the host
             stage.keep_on_device = frozenset({STREAMS})
         self._workers = [ThreadPoolExecutor(1, thread_name_prefix=f"v4-stage{i}") for i in range(len(stages))] \

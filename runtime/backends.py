@@ -205,12 +205,14 @@ class MIGraphXCompiled(CompileRecord):
             try:
                 buckets[graph] = graph_buckets(profiles[graph], entry.inputs)
             except ValueError as e:
-                record.fail("profiles", f"{graph}'s must give each dimension one range ({e})", graph)
+                record.fail("profiles", f"{graph}'s must give every dynamic input, each dimension one range ({e})",
+                            graph)
 
         def programs(entries: JsonFields, graph: str) -> tuple[Program, ...]:
             listed, names = _objects(entries, graph), [bucket.name for bucket in buckets[graph]]
             if len(listed) != len(names):
-                entries.fail(graph, f"must list one program per bucket of the profiles, {names}", len(listed))
+                entries.fail(graph, f"must list one program per bucket of the profiles ({len(names)}: {names[0]} .. "
+                             f"{names[-1]})", len(listed))
             return tuple(Program.read(program, name) for program, name in zip(listed, names))
 
         compiled = record.get("programs", (dict, type(None)))

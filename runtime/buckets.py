@@ -47,11 +47,15 @@ class Bucket:
 
 
 def dim_ranges(profile: Profile, inputs: Sequence[TensorSpec]) -> dict[str, tuple[int, int]]:
-    """(min, max) of every dynamic dimension of the profile, by name; ValueError when two inputs disagree."""
+    """(min, max) of every dynamic dimension of the profile, by name; ValueError when an input with a dynamic
+    dimension is missing from the profile or of another rank there, or two inputs disagree on a dimension."""
     ranges: dict[str, tuple[int, int]] = {}
     for spec in inputs:
-        if spec.name not in profile.shapes:
+        if all(isinstance(d, int) for d in spec.shape):
             continue
+        if spec.name not in profile.shapes or len(profile.shapes[spec.name][0]) != len(spec.shape):
+            raise ValueError(f"input {spec.name} of rank {len(spec.shape)} is not in profile {profile.name} at "
+                             "that rank")
         lo, _, hi = profile.shapes[spec.name]
         for axis, dim in enumerate(spec.shape):
             if isinstance(dim, str):

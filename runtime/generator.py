@@ -99,7 +99,9 @@ class Generator:
         a prompt that starts like an earlier one reuses that prefix's caches (runtime/prefix_cache.py); the tokens
         are those of a cold run either way. device_pools: an ONNX Runtime engine keeps its cache pools as torch
         tensors on the session's device, bound in place (default: when a GPU provider comes first; True on the
-        CPU runs the same path with CPU tensors); TensorRT engines always do. devices: the GPU of each of the
+        CPU runs the same path with CPU tensors); TensorRT engines always do, and MIGraphX's programs too, at the
+        sizes they were compiled for (max_batch x max_seq_len as built: refused if max_cache_bytes, or half the
+        GPU's free memory, is less). devices: the GPU of each of the
         engine's pipeline stages (v4build --pipeline-stages; one per stage, the draft on the last stage's), as ONNX
         Runtime's CUDA device_id, TensorRT's device or MIGraphX's (default: every stage where the backend runs by
         default, the CPU for ONNX Runtime). microbatches: a call's rows cut into this many slices in flight on

@@ -133,16 +133,26 @@ class Scheduler:
         # memory the pools live in: the host's, or what each GPU has free beside the weights (an engine.json cannot
         # make the runtime promise memory it does not have, and device pools are allocated whole). The budget
         # pays for a slot of every part per batch row first, then for as many blocks as it holds.
-        self.budget = max_cache_bytes if max_cache_bytes is not None else min(
-            max_batch * self.cache_bytes(max_seq_len), _memory_cap(storages, device_of, self.groups, max_seq_len))
+        cap = max_cache_bytes if max_cache_bytes is not None else \
+            _memory_cap(storages, device_of, self.groups, max_seq_len)
+        self.budget = min(max_batch * self.cache_bytes(max_seq_len), cap) if max_cache_bytes is None else cap
         # Never more blocks than max_batch sequences of max_seq_len can use (nor than a shape-specialized engine's
         # profiles take, which stop there), and at least one where there are growing groups.
         layout = manifest.caches["target"]
         blocks = min(max(1, (self.budget - max_batch * self.cache_bytes(0)) // layout.block_bytes),
                      max_batch * layout.table_blocks(max_seq_len)) if layout.block_bytes else 0
-        # A session of static shapes (MIGraphX's programs) takes pools of its own sizes and no other
+        # A session of static shapes (MIGraphX's programs) takes pools of its own sizes and no other: they must fit
+        # the budget given, or half of the memory they live in, and are then the budget
         fixed = {part: (session.pool_shape if session is not None else None) or {}
                  for part, session in (("target", target), ("draft", draft))}
+        fixed_bytes = sum(fixed[part].get("pool_slots", 0) * manifest.caches[part].slot_bytes
+                          + fixed[part].get("pool_blocks", 0) * manifest.caches[part].block_bytes for part in fixed)
+        if fixed_bytes > cap:
+            raise V4EngineError(f"this engine's programs take cache pools of {fixed_bytes / 2**30:.2f} GiB "
+                                f"(max_batch x max_seq_len as built), more than the cache budget of "
+                                f"{cap / 2**30:.2f} GiB; "
+                                "rebuild it with a smaller --max-batch or --max-seq-len")
+        self.budget = fixed_bytes or self.budget
         self.pools = {part: CachePool(layout, fixed[part].get("pool_slots", max_batch),
                                       fixed[part].get("pool_blocks", blocks if part == "target" else 0), storage)
                       for part, layout in manifest.caches.items()}

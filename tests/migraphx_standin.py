@@ -6,7 +6,8 @@ What it holds to, as MIGraphX does (ROCm 6.4-7.2, src/py/migraphx_py.cpp, src/pr
 - `compile(target, offload_copy=False)`: the outputs become parameters `main:#output_N` (`main:#output_:000NN`
   from 10 on), which the caller must pass, at their exact shapes, and which the program writes in place;
 - `run_async(params, stream, "ihipStream_t")`: every parameter present, each `argument_from_pointer` of exactly
-  the compiled shape (type, lens), read and written at its address; nothing is copied for the caller.
+  the compiled shape (type, lens), read and written at its address; nothing is copied for the caller; no
+  argument of bf16 or fp8 (the bindings read each back as a Python buffer, which has neither).
 Programs go to disk and back through `save`/`load`. The "device" is host memory: the session runs with torch CPU
 tensors standing for the GPU's.
 """
@@ -97,6 +98,10 @@ class program:                # noqa: N801
         if stream_name != "ihipStream_t":
             raise RuntimeError("any_ptr: type mismatch")
         runs.append(",".join(sorted(params)))
+        for name, value in params.items():          # each argument is read back as a Python buffer: none of bf16
+            if value.shape.type_string() in ("bf16_type", "fp8e4m3fn_type"):
+                raise RuntimeError("MIGRAPHX PYTHON: Unsupported data type. For fp8 and bf16 literals try using "
+                                   "migraphx.generate_argument with a corresponding shape")
         for name, s in self.get_parameter_shapes().items():
             if name not in params:
                 raise RuntimeError(f"Parameter not found: {name}")

@@ -146,6 +146,16 @@ def test_migraphx_programs_must_follow_the_buckets_order(engines, tmp_path):
     assert "'build.compile.programs.draft' must list one program per bucket" in message
 
 
+def test_migraphx_profiles_must_give_every_dynamic_input(engines, tmp_path):
+    """The buckets are derived from the profiles: a profile leaving an input out is refused in one line, not met
+    as a KeyError when a session opens."""
+    def plant(record: dict) -> None:
+        del record["profiles"]["draft"][0]["shapes"]["uniforms"]
+
+    message = refused(damaged(engines("migraphx"), tmp_path, plant))
+    assert "'build.compile.profiles'" in message and "uniforms" in message
+
+
 def test_plans_for_other_graphs_are_refused(engines, tmp_path):
     plans = {"target": {"plan": "target.plan", "bytes": 1, "seconds": 0.1}}
     message = refused(damaged(engines("tensorrt"), tmp_path, lambda r: r.update(plans=plans)))

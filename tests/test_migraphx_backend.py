@@ -30,6 +30,7 @@ from v4engine.builder.build import BuildOptions, build
 from v4engine.runtime.backends import Program
 from v4engine.runtime.engine import EngineManifest
 from v4engine.runtime.engine_folder import EngineFormatError
+from v4engine.runtime.errors import V4EngineError
 from v4engine.runtime.generator import Generator
 from v4engine.runtime.sampling import SamplingParams
 from v4engine.runtime.sessions import open_session
@@ -39,8 +40,9 @@ pytestmark = pytest.mark.xdist_group("migraphx_backend")
 
 @pytest.fixture(scope="module")
 def engines(tiny_checkpoint, tmp_path_factory):
-    """(MIGraphX engine, portable ONNX Runtime engine) of one MXFP4 tiny checkpoint."""
-    checkpoint = tiny_checkpoint("flash_like", quantize="mxfp4")
+    """(MIGraphX engine, portable ONNX Runtime engine) of one MXFP4 tiny checkpoint, its other weights in bf16 (as
+    the releases store them: kept in place + cast, and MIGraphX's programs take them as float32)."""
+    checkpoint = tiny_checkpoint("flash_like", quantize="mxfp4", dtype="bfloat16")
     work = tmp_path_factory.mktemp("migraphx")
     common = dict(checkpoint=checkpoint, mtp=2, max_batch=4, max_seq_len=256, max_prefill_chunk=16, progress=False)
     build(BuildOptions(output=work / "migraphx", backend="migraphx", **common))
@@ -176,6 +178,8 @@ def test_programs_run_the_tokens_and_acceptance_of_onnx_runtime(engines, compile
     assert all(isinstance(a, torch.Tensor) for a in pools.values())
     assert {a.shape[0] for name, a in pools.items()} == {manifest.build["max_batch"], blocks}
     weights = set(session._weights)
+    target = onnx.load(str(compiled / "target.onnx"), load_external_data=False).graph.initializer
+    assert any(t.data_type == TensorProto.BFLOAT16 for t in target if t.name in weights)     # passed as float32
     target_runs = [set(run.split(",")) for run in standin.runs if "lengths" not in run]       # (the draft's take it)
     assert weights and target_runs and all(weights <= run for run in target_runs)
     assert any("main:#output_:00010" in run for run in standin.runs)
@@ -189,8 +193,9 @@ def test_a_program_of_another_shape_or_outside_the_engine_is_refused(compiled, s
     manifest.compiled = dataclasses.replace(manifest.compiled, programs={**manifest.compiled.programs,
                                                                          "draft": (programs[0],) + swapped[1:]})
     manifest.write(engine)
-    with pytest.raises(EngineFormatError, match="bucket extend.b2") as failure:
-        open_session(engine, EngineManifest.read(engine), "draft")
+    generator = Generator.from_engine_dir(engine, mtp=2, prefix_cache=False)     # programs load on first use
+    with pytest.raises(EngineFormatError, match="bucket extend.b2") as failure:   # two prompts of > k + 1
+        generator.generate([[5, 6, 7, 1, 2, 3], [8, 9, 4, 1, 2]], SamplingParams(max_new_tokens=4, ignore_eos=True))
     assert "\n" not in str(failure.value)
     shutil.copy(engine / programs[0].file, tmp_path / "outside.mxr")         # a program outside the folder
     outside = (Program(programs[0].bucket, "../outside.mxr"),) + programs[1:]
@@ -199,6 +204,14 @@ def test_a_program_of_another_shape_or_outside_the_engine_is_refused(compiled, s
     manifest.write(engine)
     with pytest.raises(EngineFormatError, match=r"build\.compile\.programs\.draft\[0\]\.file") as failure:
         open_session(engine, EngineManifest.read(engine), "draft")
+    assert "\n" not in str(failure.value)
+
+
+def test_pools_the_programs_take_must_fit_the_cache_budget(compiled, standin):
+    """The programs take pools of max_batch x max_seq_len as built, allocated whole: a smaller budget is refused in
+    one line at load, not met by the first call."""
+    with pytest.raises(V4EngineError, match="rebuild it with a smaller --max-batch or --max-seq-len") as failure:
+        Generator.from_engine_dir(compiled, mtp=2, max_cache_bytes=1 << 16)
     assert "\n" not in str(failure.value)
 
 

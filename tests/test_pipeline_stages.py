@@ -21,6 +21,7 @@ from v4engine.runtime.backends import BACKENDS
 from v4engine.runtime.cache import CachePool
 from v4engine.runtime.engine import EngineManifest
 from v4engine.runtime.engine_folder import EngineFormatError
+from v4engine.runtime.errors import V4EngineError
 from v4engine.runtime.generator import Generator
 from v4engine.runtime.layout import STAGE_INPUT, CacheLayout
 from v4engine.runtime.pool_arrays import DeviceArrays, HostArrays
@@ -180,6 +181,19 @@ def test_each_stage_keeps_its_pools_where_its_session_reads_them(engines):
     generator = Generator(engine, manifest, scheduler)
     got = generator.generate(PROMPTS, SamplingParams(max_new_tokens=12))
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
+
+
+def test_stages_of_static_shapes_take_one_pool_size():
+    """MIGraphX's programs fix their pools' sizes: the pipeline asks the scheduler for the sizes every stage takes
+    (a stage of sliding layers only has no blocks of its own) and refuses stages that disagree."""
+    def stage(pool_shape):
+        return SimpleNamespace(inputs=(), outputs=(), pool_device=None, pool_shape=pool_shape)
+
+    assert PipelineSession([stage({"pool_slots": 4, "pool_blocks": 36}), stage({"pool_slots": 4})]).pool_shape == \
+        {"pool_slots": 4, "pool_blocks": 36}
+    assert PipelineSession([stage(None), stage(None)]).pool_shape is None
+    with pytest.raises(V4EngineError, match="pools of different sizes"):
+        PipelineSession([stage({"pool_slots": 4}), stage({"pool_slots": 8})])
 
 
 # --------------------------------------------------------------------------- bad input, one line

@@ -39,7 +39,7 @@ from v4engine.runtime.buckets import graph_buckets
 from v4engine.runtime.engine import EngineManifest
 from v4engine.runtime.errors import V4EngineError
 from v4engine.runtime.profiles import Profile
-from v4engine.runtime.sessions.migraphx import weight_parameters
+from v4engine.runtime.sessions.migraphx import parameter_type, weight_parameters
 
 from ..weights import use_stored_experts
 from .profiles import engine_profiles
@@ -143,12 +143,13 @@ def prepare_graph(model: onnx.ModelProto, name: str) -> tuple[onnx.ModelProto, V
 def weights_as_inputs(model: onnx.ModelProto) -> onnx.ModelProto:
     """A copy of a variant whose weights (the initializers held in the engine's weight files) are graph inputs
     instead: what each program is compiled from, so that it takes them by address and all of a graph's programs
-    share one copy on the GPU (runtime/sessions/migraphx.py loads them). Small constants stay inside."""
+    share one copy on the GPU (runtime/sessions/migraphx.py loads them; bf16 ones as float32, `parameter_type`).
+    Small constants stay inside."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
     moved = {t.name for t in weight_parameters(out.graph)}
     kept = [t for t in out.graph.initializer if t.name not in moved]
-    out.graph.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+    out.graph.input.extend(onnx.helper.make_tensor_value_info(t.name, parameter_type(t.data_type), list(t.dims))
                            for t in weight_parameters(out.graph))
     del out.graph.initializer[:]
     out.graph.initializer.extend(kept)
@@ -160,6 +161,10 @@ def compile_programs(engine_dir: Path, manifest: EngineManifest, migraphx: Any,
                      ) -> dict[str, tuple[Program, ...]]:
     """Compile every graph once per bucket of its profiles (runtime/buckets.py) for the GPU, static shapes, outputs
     in the caller's buffers (offload_copy off), weights as parameters; save `{graph}.{bucket}.mxr`."""
+    if manifest.dtype == "bf16":
+        raise MIGraphXCheckError(f"{engine_dir}: a bf16 engine, and MIGraphX's Python bindings (up to ROCm 7.2.4) "
+                                 "take no bf16 buffers: build it with --dtype fp16 or fp32 for MIGraphX's programs "
+                                 "(onnxruntime-migraphx runs it as it is)")
     out: dict[str, tuple[Program, ...]] = {}
     for graph, entry in manifest.graphs.items():
         model = onnx.load(str(engine_dir / entry.file), load_external_data=False)
@@ -188,7 +193,7 @@ def compile_engine(engine_dir: Path, manifest: EngineManifest, options: BuildOpt
     except ImportError:
         script = engine_dir / SCRIPT
         script.write_text("#!/usr/bin/env bash\n# Compile this engine's MIGraphX programs (one .mxr per graph and "
-                          "optimization profile)\n# on a ROCm machine with MIGraphX's Python module and v4engine "
+                          "bucket of static shapes)\n# on a ROCm machine with MIGraphX's Python module and v4engine "
                           "installed.\nset -euo pipefail\nexec python3 -m v4engine.builder.backends.migraphx "
                           "\"$(dirname \"$0\")\"\n")
         script.chmod(0o755)

@@ -13,14 +13,18 @@ files as parameters (builder/backends/migraphx.py), so that every tensor they to
 by address (`argument_from_pointer`), never copied by MIGraphX:
 - the weights, read once from the engine's weight files (through the engine folder's checks) into torch tensors
   on the GPU, shared by all the buckets' programs (a program holding its own weights would hold the model once
-  per bucket);
+  per bucket); bf16 ones as float32 (`parameter_type`);
 - the cache pools, torch tensors on the GPU that the scheduler allocates at the buckets' pool sizes
   (`pool_shape`) and the pool writes in place (runtime/pool_arrays.py);
 - the call's small inputs, copied to the GPU and padded there; the outputs, allocated here at the bucket's shapes
   as the program's output parameters (`main:#output_N`) and cut back to the call's: the new rows stay on the GPU,
-  the rest come to the host (bf16 through its bits: MIGraphX's Python buffers take no bf16).
+  the rest come to the host.
+MIGraphX's Python bindings read every argument back as a Python buffer, which has no bf16 (nor fp8): a bf16
+engine runs only through onnxruntime-migraphx. Programs are loaded on first use (each holds scratch memory on
+the GPU), and checked then against the shapes and types this session passes.
 The program runs on torch's current stream (`run_async`), so it follows the pools' writes and precedes the reads
-of its outputs without a host wait. torch here is a ROCm build (its GPUs are torch.cuda's).
+of its outputs without a host wait. torch here is a ROCm build (its GPUs are torch.cuda's), of the same HIP
+runtime as MIGraphX's.
 Written to MIGraphX's documented Python API (ROCm 6.4 to 7.2); not yet run on ROCm (README, backends).
 """
 from __future__ import annotations
@@ -80,6 +84,16 @@ def weight_parameters(graph: Any) -> list[Any]:
     return [t for t in graph.initializer if t.data_location == TensorProto.EXTERNAL]
 
 
+def parameter_type(data_type: int) -> int:
+    """The ONNX element type a weight parameter of `data_type` is declared and fed as. MIGraphX's Python bindings
+    (up to ROCm 7.2.4) read every argument back as a Python buffer and take no bf16 one, so bf16 weights go as
+    float32: they widen exactly, and the Cast the graph has after each (bf16 weights are kept in place + cast)
+    then gives the activation type the same values it would have."""
+    from onnx import TensorProto
+
+    return TensorProto.FLOAT if data_type == TensorProto.BFLOAT16 else data_type
+
+
 def _output_index(name: str) -> int:
     return int(name.rsplit(OUTPUT_PARAMETER, 1)[1].lstrip(":"))
 
@@ -114,45 +128,57 @@ class MIGraphXSession(EngineSession):
     def _open_programs(self, folder: EngineFolder, manifest: EngineManifest, graph: str, migraphx: Any,
                        device: int | None) -> None:
         compiled = manifest.compiled
+        if any(spec.dtype == "bfloat16" for spec in (*self.inputs, *self.outputs)):
+            raise MIGraphXUnavailable(f"{folder.directory}: a bf16 engine, and MIGraphX's Python bindings (up to ROCm "
+                                      "7.2.4) take no bf16 buffers: build it with --dtype fp16 or fp32 for MIGraphX's "
+                                      "programs, or run it through onnxruntime-migraphx")
         self._migraphx = migraphx
         self._torch, self._device = _gpu(device)
         self.pool_device = str(self._device)
         self._layout = manifest.layout_of(graph)
         self._buckets = compiled.buckets(graph, self.inputs)
         self.pool_shape = {n: v for n, v in self._buckets[0].dims.items() if n.startswith("pool_")}
+        # Checked now, loaded on first use: each loaded program holds its own scratch memory on the GPU
+        self._files = [folder.checked_path(program.file, f"build.compile.programs.{graph}[{i}].file", "compiled")
+                       for i, program in enumerate(compiled.programs[graph])]
+        self._programs: list[tuple[Any, list[str]] | None] = [None] * len(self._files)
         weights = folder.map_weights(manifest.weights)
-        with self._on_device():          # a program belongs to the GPU current when it is loaded
-            self._programs = [migraphx.load(str(folder.checked_path(
-                program.file, f"build.compile.programs.{graph}[{i}].file", "compiled")))
-                for i, program in enumerate(compiled.programs[graph])]
-        self._output_parameters = [self._checked_parameters(program, bucket)
-                                   for program, bucket in zip(self._programs, self._buckets)]
         self._weights = self._resident_weights(folder, manifest.graphs[graph], weights)
         weights.release_pages()
         self._weight_arguments = {name: self._argument(tensor) for name, tensor in self._weights.items()}
+
+    def _program(self, index: int) -> tuple[Any, list[str]]:
+        """Bucket `index`'s program and its output parameters, loaded on the session's GPU the first time."""
+        if self._programs[index] is None:
+            with self._on_device():          # a program belongs to the GPU current when it is loaded
+                program = self._migraphx.load(str(self._files[index]))
+            self._programs[index] = program, self._checked_parameters(program, self._buckets[index])
+        return self._programs[index]
 
     def _on_device(self) -> Any:
         return self._torch.cuda.device(self._device) if self._device.type == "cuda" else contextlib.nullcontext()
 
     def _checked_parameters(self, program: Any, bucket: Any) -> list[str]:
-        """The program's output parameters in output order, once its inputs and outputs have the bucket's shapes
-        (a program compiled for another shape than engine.json says is refused, not run)."""
+        """The program's output parameters in output order, once its inputs, outputs and weights have the types and
+        shapes this session passes (a program compiled for another shape than engine.json says is refused, not
+        run on every call)."""
         shapes = program.get_parameter_shapes()
         outputs = sorted((name for name in shapes if OUTPUT_PARAMETER in name), key=_output_index)
         more = self._layout.emitted(bucket.dims["seq"])
-        expected = [(spec.name, bucket.shape(spec)) for spec in self.inputs]
-        expected += [(name, bucket.shape(spec, more)) for name, spec in zip(outputs, self.outputs)]
-        for name, shape in expected:
-            got = tuple(shapes[name].lens()) if name in shapes else None
-            if got != shape or len(outputs) != len(self.outputs):
-                raise EngineFormatError(f"{self.graph}: the program for bucket {bucket.name} takes {shown(name)} of "
-                                        f"shape {got} and {len(outputs)} outputs, not {shape} and "
+        expected = [(spec.name, spec.dtype, bucket.shape(spec)) for spec in self.inputs]
+        expected += [(name, spec.dtype, bucket.shape(spec, more)) for name, spec in zip(outputs, self.outputs)]
+        expected += [(name, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for name, t in self._weights.items()]
+        for name, dtype, shape in expected:
+            got = (shapes[name].type_string(), tuple(shapes[name].lens())) if name in shapes else None
+            if got != (SHAPE_TYPES[dtype], shape) or len(outputs) != len(self.outputs):
+                raise EngineFormatError(f"{self.graph}: the program for bucket {bucket.name} takes {shown(name)} as "
+                                        f"{got} and has {len(outputs)} outputs, not {(SHAPE_TYPES[dtype], shape)} and "
                                         f"{len(self.outputs)}; compiled for another engine? refused")
         return outputs
 
     def _resident_weights(self, folder: EngineFolder, entry: Any, weights: MappedWeights) -> dict[str, Any]:
         """Every weight parameter, from its checked bytes in the engine's weight files to a tensor on the device."""
-        from onnx import ModelProto, helper
+        from onnx import ModelProto, TensorProto, helper
         from onnx.external_data_helper import ExternalDataInfo
 
         proto = ModelProto.FromString(read_graph(folder, entry, weights))     # external data checked there
@@ -166,7 +192,10 @@ class MIGraphXSession(EngineSession):
             stored = weights.maps[info.location][info.offset or 0: (info.offset or 0) + info.length]
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")             # read-only map: torch only copies it to the device
-                resident[tensor.name] = to_torch(stored.view(dtype).reshape(tuple(tensor.dims))).to(self._device)
+                value = to_torch(stored.view(dtype).reshape(tuple(tensor.dims))).to(self._device)
+            if parameter_type(tensor.data_type) == TensorProto.FLOAT and tensor.data_type != TensorProto.FLOAT:
+                value = value.float()
+            resident[tensor.name] = value
         return resident
 
     def _argument(self, tensor: Any) -> Any:
@@ -181,7 +210,7 @@ class MIGraphXSession(EngineSession):
         torch = self._torch
         dims = call_dims(feeds, self.inputs)
         bucket = choose_bucket(self._buckets, dims)
-        index = self._buckets.index(bucket)
+        program, output_parameters = self._program(self._buckets.index(bucket))
         arguments, held = dict(self._weight_arguments), []     # held: alive until the program has run
         for spec in self.inputs:
             value = feeds[spec.name]
@@ -191,14 +220,14 @@ class MIGraphXSession(EngineSession):
             arguments[spec.name] = self._argument(tensor)
         more = self._layout.emitted(bucket.dims["seq"])
         outputs = {}
-        for spec, parameter in zip(self.outputs, self._output_parameters[index]):
+        for spec, parameter in zip(self.outputs, output_parameters):
             outputs[spec.name] = torch.empty(bucket.shape(spec, more), dtype=getattr(torch, spec.dtype),
                                              device=self._device)
             arguments[parameter] = self._argument(outputs[spec.name])
         stream = torch.cuda.current_stream(self._device).cuda_stream if self._device.type == "cuda" else 0
         try:
             with self._on_device():
-                self._programs[index].run_async(arguments, stream, "ihipStream_t")
+                program.run_async(arguments, stream, "ihipStream_t")
         except RuntimeError as e:
             raise EngineRunError(f"{self.graph}: MIGraphX failed on bucket {bucket.name}: "
                                  f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import V4EngineError
 from ..layout import NEW_PREFIX, STAGE_INPUT, STREAMS, TensorSpec
 from ..pool_arrays import to_numpy
 from . import EngineSession
@@ -38,7 +39,7 @@ class PipelineSession(EngineSession):
                                            if spec.name.startswith(NEW_PREFIX))
         self._device_of = {spec.name: stage.pool_device for stage in stages for spec in stage.inputs
                            if spec.name.startswith("pool.")}
-        self.pool_device, self.pool_shape = stages[-1].pool_device, stages[-1].pool_shape   # (every stage's limits)
+        self.pool_device, self.pool_shape = stages[-1].pool_device, _pool_shape(stages)
         for stage in stages[:-1]:           # streams stay where the next stage can take them without the host
             stage.keep_on_device = frozenset({STREAMS})
         self._workers = [ThreadPoolExecutor(1, thread_name_prefix=f"v4-stage{i}") for i in range(len(stages))] \
@@ -83,6 +84,18 @@ class PipelineSession(EngineSession):
         if i > 0:
             mine[STAGE_INPUT] = _moved(before.pop(STREAMS), stage.pool_device)
         return before | stage.run(mine)
+
+
+def _pool_shape(stages: list[EngineSession]) -> dict[str, int] | None:
+    """The pool sizes every stage of static shapes takes (one pool size for all the stages' pools; a stage of sliding
+    layers only has no blocks of its own); None when no stage fixes them."""
+    merged: dict[str, int] = {}
+    for stage in stages:
+        for name, size in (stage.pool_shape or {}).items():
+            if merged.setdefault(name, size) != size:
+                raise V4EngineError(f"the pipeline's stages take pools of different sizes ({name}: {merged[name]} "
+                                    f"and {size}); rebuild the engine")
+    return merged or None
 
 
 def _batched(spec: TensorSpec) -> bool:

@@ -143,8 +143,9 @@ class Scheduler:
                      max_batch * layout.table_blocks(max_seq_len)) if layout.block_bytes else 0
         # A session of static shapes (MIGraphX's programs) takes pools of its own sizes and no other: they must fit
         # the budget given, or half of the memory they live in, and are then the budget
-        fixed = {part: (session.pool_shape if session is not None else None) or {}
-                 for part, session in (("target", target), ("draft", draft))}
+        sessions = {"target": target, "draft": draft}
+        fixed = {part: (sessions[part].pool_shape if sessions[part] is not None else None) or {}
+                 for part in manifest.caches}
         fixed_bytes = sum(fixed[part].get("pool_slots", 0) * manifest.caches[part].slot_bytes
                           + fixed[part].get("pool_blocks", 0) * manifest.caches[part].block_bytes for part in fixed)
         if fixed_bytes > cap:

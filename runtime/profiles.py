@@ -6,6 +6,7 @@ each call, the tightest profile covering its input shapes."""
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +16,7 @@ from .untrusted import JsonFields
 
 Shape = tuple[int, ...]
 MAX_DIM = (1 << 31) - 1          # the largest dimension a recorded profile may name
+NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")        # a profile's name, as the builder gives them (prefill, verify, ...)
 
 
 class ProfileError(V4EngineError):
@@ -32,13 +34,16 @@ class Profile:
     def read(cls, fields: JsonFields, inputs: Collection[str]) -> "Profile":
         """A profile as engine.json records it (untrusted): its name, and for inputs of its graph, three shapes
         (min, opt, max) of one rank in integers from 0 to MAX_DIM: what `covers` may index and compare."""
+        title = fields.get("name", str)
+        if not NAME.fullmatch(title):       # it names files: a MIGraphX engine's programs, `{graph}.{bucket}.mxr`
+            fields.fail("name", "must be a word of letters, digits, '_' or '-'", title)
         shapes = fields.nested("shapes")
         ranges = {}
         for name, value in shapes.raw.items():
             if name not in inputs or not _is_range(value):
                 shapes.fail(name, "must be the (min, opt, max) shapes of an input of the graph", value)
             ranges[name] = tuple(tuple(shape) for shape in value)
-        return cls(fields.get("name", str), ranges)
+        return cls(title, ranges)
 
     def covers(self, shapes: dict[str, Shape]) -> bool:
         """Whether every input listed here has a shape inside this profile's [min, max] box."""

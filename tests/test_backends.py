@@ -146,6 +146,16 @@ def test_migraphx_programs_must_follow_the_buckets_order(engines, tmp_path):
     assert "'build.compile.programs.draft' must list one program per bucket" in message
 
 
+def test_a_profile_name_that_is_not_a_word_is_refused(engines, tmp_path):
+    """Profile names name a MIGraphX engine's program files (`{graph}.{bucket}.mxr`, written by
+    compile_migraphx.sh on an engine folder from elsewhere): a name with a path in it is refused on reading."""
+    def plant(record: dict) -> None:
+        record["profiles"]["draft"][0]["name"] = "../../outside"
+
+    message = refused(damaged(engines("migraphx"), tmp_path, plant))
+    assert "'build.compile.profiles.draft[0].name' must be a word" in message
+
+
 def test_migraphx_profiles_must_give_every_dynamic_input(engines, tmp_path):
     """The buckets are derived from the profiles: a profile leaving an input out is refused in one line, not met
     as a KeyError when a session opens."""

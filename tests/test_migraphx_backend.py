@@ -207,6 +207,23 @@ def test_a_program_of_another_shape_or_outside_the_engine_is_refused(compiled, s
     assert "\n" not in str(failure.value)
 
 
+def test_compiling_replaces_a_planted_link_and_never_writes_through_it(engines, tmp_path):
+    """compile_migraphx.sh runs on an engine folder from elsewhere: a link planted where a program goes is replaced
+    by the program, and the file it pointed to is left as it was."""
+    import migraphx_standin
+
+    engine = Path(shutil.copytree(engines[0], tmp_path / "engine", symlinks=True))
+    victim = tmp_path / "victim"
+    victim.write_text("not a program")
+    (engine / "draft.extend.b1.mxr").symlink_to(victim)
+    manifest = EngineManifest.read(engine)
+    compile_programs(engine, manifest, migraphx_standin, manifest.compiled.profiles, progress=False)
+    assert victim.read_text() == "not a program"
+    program = engine / "draft.extend.b1.mxr"
+    assert not program.is_symlink() and program.is_file()
+    assert not [p for p in engine.iterdir() if p.name.startswith(".")]        # no temporary left behind
+
+
 def test_pools_the_programs_take_must_fit_the_cache_budget(compiled, standin):
     """The programs take pools of max_batch x max_seq_len as built, allocated whole: a smaller budget is refused in
     one line at load, not met by the first call."""

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
+import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from functools import cache
 from pathlib import Path
@@ -37,6 +39,7 @@ from tqdm import tqdm
 from v4engine.runtime.backends import MIGraphXCompiled, Program, Variant
 from v4engine.runtime.buckets import graph_buckets
 from v4engine.runtime.engine import EngineManifest
+from v4engine.runtime.engine_folder import EngineFolder
 from v4engine.runtime.errors import V4EngineError
 from v4engine.runtime.profiles import Profile
 from v4engine.runtime.sessions.migraphx import parameter_type, weight_parameters
@@ -165,9 +168,10 @@ def compile_programs(engine_dir: Path, manifest: EngineManifest, migraphx: Any,
         raise MIGraphXCheckError(f"{engine_dir}: a bf16 engine, and MIGraphX's Python bindings (up to ROCm 7.2.4) "
                                  "take no bf16 buffers: build it with --dtype fp16 or fp32 for MIGraphX's programs "
                                  "(onnxruntime-migraphx runs it as it is)")
+    folder = EngineFolder(engine_dir)       # compile_migraphx.sh runs on an engine folder from elsewhere
     out: dict[str, tuple[Program, ...]] = {}
     for graph, entry in manifest.graphs.items():
-        model = onnx.load(str(engine_dir / entry.file), load_external_data=False)
+        model = onnx.ModelProto.FromString(folder.read_bytes(entry.file, f"graphs.{graph}.file", "graph"))
         data = weights_as_inputs(model).SerializeToString()       # no initializer left outside: parsed from bytes
         programs = []
         for bucket in tqdm(graph_buckets(graph_profiles[graph], entry.inputs), desc=f"MIGraphX {graph}",
@@ -176,10 +180,23 @@ def compile_programs(engine_dir: Path, manifest: EngineManifest, migraphx: Any,
                                                                        for spec in entry.inputs})
             program.compile(migraphx.get_target("gpu"), offload_copy=False)
             file = f"{graph}.{bucket.name}.mxr"
-            migraphx.save(program, str(engine_dir / file))
+            _save(migraphx, program, engine_dir / file)
             programs.append(Program(bucket.name, file))
         out[graph] = tuple(programs)
     return out
+
+
+def _save(migraphx: Any, program: Any, path: Path) -> None:
+    """Save a program at `path` in its engine folder: written under a fresh name, then renamed over `path`, so that
+    a link planted there is replaced, never followed out of the folder."""
+    fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        migraphx.save(program, temporary)
+        os.replace(temporary, path)
+    finally:
+        if os.path.lexists(temporary):
+            os.unlink(temporary)
 
 
 def compile_engine(engine_dir: Path, manifest: EngineManifest, options: BuildOptions, prepared: dict[str, Variant]

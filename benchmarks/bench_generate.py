@@ -173,13 +173,18 @@ def table(title: str, rows: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def prompt_arguments(p: argparse.ArgumentParser) -> None:
+    """The checkpoint and the held-out prompts: what every generation benchmark takes."""
     p.add_argument("--checkpoint", type=Path, default=ROOT / "examples" / "tiny-v4")
-    p.add_argument("--work", type=Path, default=Path("/tmp/bench-generate"), help="engine and transformers copy")
     p.add_argument("--prompts", type=int, default=8, help="held-out prompts")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=64)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    prompt_arguments(p)
+    p.add_argument("--work", type=Path, default=Path("/tmp/bench-generate"), help="engine and transformers copy")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--threads", type=int, default=2, help="intra-op threads for both ONNX Runtime and torch")
     p.add_argument("--seed", type=int, default=0)

@@ -23,6 +23,7 @@ import torch
 from tqdm import tqdm
 
 from v4engine.plugins import DOMAIN, OPSET, onnx_functions
+from v4engine.plugins.sinkhorn import NAME as SINKHORN
 from v4engine.runtime.backends import BACKENDS, INT8_CODES, STORED_BYTES
 from v4engine.runtime.config import V4Config
 from v4engine.runtime.engine import (ACTIVATION_DTYPES, BUILT_LIMIT_DEFAULTS, FORMAT, MANIFEST, MAX_MTP, VALUE_BYTES,
@@ -34,7 +35,7 @@ from v4engine.runtime.staging import Ours, check_destination, staged_folder
 from v4engine.runtime.stages import TARGET, Stage, single_stage
 
 from .backends import QUANTIZED_IN_PLACE, TENSORRT_OPTIMIZATION_LEVEL, compile_engine, preflight, prepare_graph
-from .backends.migraphx import SCRIPT
+from .backends.migraphx import SCRIPT, all_nodes
 from .backends.tensorrt import TIMING_CACHE
 from .checkpoint import checkpoint_file
 from .export import export_graph, split_sequences
@@ -65,6 +66,7 @@ class BuildOptions:
     progress: bool = True
     pipeline_stages: int = 1                   # the target split into this many graphs, one per device
     onnx_only: bool = False                    # tensorrt: prepare the graphs, build no engines
+    cuda_graphs: bool = False                  # graphs without control flow, per-token calls recorded on the GPU
     builder_optimization_level: int = TENSORRT_OPTIMIZATION_LEVEL        # tensorrt
     timing_cache: Path | None = None           # tensorrt: reused across builds (default: one in the engine)
 
@@ -110,6 +112,9 @@ def _check_output(options: BuildOptions) -> None:
         raise BuildError(f"--pipeline-stages must be 1 or more (got {options.pipeline_stages})")
     if options.onnx_only and options.backend != "tensorrt":
         raise BuildError(f"--onnx-only applies to --backend tensorrt (got --backend {options.backend})")
+    if options.cuda_graphs and options.backend not in ("onnxruntime", "tensorrt"):
+        raise BuildError(f"--cuda-graphs applies to --backend onnxruntime or tensorrt, NVIDIA's (got --backend "
+                         f"{options.backend})")
 
 
 def _versions() -> dict[str, str]:
@@ -142,9 +147,12 @@ def _write_graph(tmp: Path, name: str, options: BuildOptions, cfg, ckpt, writer:
     proto = exported_graph(cfg, stage, options)
     clock.lap("export")
     counts, groups = attach_weights(proto, ckpt, cfg, writer, BACKENDS[options.backend])
-    add_functions(proto)
+    add_functions(proto, cfg.hc_sinkhorn_iters - 1 if options.cuda_graphs else None)
     clock.lap("weights")
     proto, prepared = prepare_graph(options.backend, proto, name)
+    if options.cuda_graphs and (found := control_flow(proto)):
+        raise BuildError(f"--cuda-graphs: graph '{name}' still has {', '.join(sorted(found))} nodes, which a CUDA "
+                         "graph cannot hold")
     clock.lap("prepare")
     check_graph(proto, {w.file: w.bytes for w in writer.files()})
     clock.lap("check")
@@ -164,11 +172,12 @@ def exported_graph(cfg: V4Config, stage: Stage | None, options: BuildOptions) ->
     a tiny model: a process that builds one model again (another weight format or backend; the tests) skips it."""
     draft = stage is None
     key = (json.dumps(cfg.to_dict(), sort_keys=True), stage, options.dtype, options.max_batch, options.max_seq_len,
-           options.mtp if draft else 0)
+           options.mtp if draft else 0, options.cuda_graphs and draft)
     if key not in _EXPORTED:
         proto = serialize_without_data(export_graph(cfg, draft=draft, dtype=DTYPES[options.dtype],
                                                     max_batch=options.max_batch, max_seq_len=options.max_seq_len,
-                                                    mtp=options.mtp, stage=stage))
+                                                    mtp=options.mtp, stage=stage,
+                                                    conditional=not options.cuda_graphs))
         split_sequences(proto.graph)
         while len(_EXPORTED) >= _EXPORTS_KEPT:
             _EXPORTED.pop(next(iter(_EXPORTED)))
@@ -176,11 +185,24 @@ def exported_graph(cfg: V4Config, stage: Stage | None, options: BuildOptions) ->
     return onnx.ModelProto.FromString(_EXPORTED[key])
 
 
-def add_functions(proto: onnx.ModelProto) -> None:
-    """The v4 ops' functions and the opsets the graph imports."""
-    proto.functions.extend(onnx_functions())
+def add_functions(proto: onnx.ModelProto, sinkhorn_rounds: int | None = None) -> None:
+    """The v4 ops' functions and the opsets the graph imports (`sinkhorn_rounds`: the Sinkhorn's rounds written
+    out, for CUDA graphs; every Sinkhorn node of the graph then has that many)."""
+    if sinkhorn_rounds is not None:
+        assert all(a.i == sinkhorn_rounds for n in proto.graph.node if n.op_type == SINKHORN
+                   for a in n.attribute if a.name == "rounds"), "one model, one Sinkhorn round count"
+    proto.functions.extend(onnx_functions(sinkhorn_rounds))
     del proto.opset_import[:]
     proto.opset_import.extend([onnx.helper.make_opsetid("", OPSET), onnx.helper.make_opsetid(DOMAIN, 1)])
+
+
+CONTROL_FLOW = frozenset({"If", "Loop", "Scan"})
+
+
+def control_flow(proto: onnx.ModelProto) -> set[str]:
+    """The control-flow ops anywhere in the graph, its subgraphs or its functions (none may be in a CUDA graph)."""
+    return {node.op_type for body in (proto.graph, *proto.functions) for node in all_nodes(body)
+            if node.op_type in CONTROL_FLOW}
 
 
 def check_graph(proto: onnx.ModelProto, weight_files: dict[str, int]) -> None:

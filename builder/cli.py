@@ -62,6 +62,7 @@ def _build(args: argparse.Namespace) -> None:
                                   dtype=args.dtype, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
                                   max_prefill_chunk=args.max_prefill_chunk, force=args.force, progress=not args.quiet,
                                   pipeline_stages=args.pipeline_stages, onnx_only=args.onnx_only,
+                                  cuda_graphs=args.cuda_graphs,
                                   builder_optimization_level=args.builder_optimization_level,
                                   timing_cache=args.timing_cache))
     print(summary(args.output, manifest))
@@ -144,6 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="split the target's layers into N graphs of about equal resident weight bytes, one per device "
                    "(the embedding in the first, the head and the MTP draft graph with the last); engine.json lists "
                    "each stage's layers, bytes and cache groups; run with v4generate --devices (default 1)")
+    p.add_argument("--cuda-graphs", action="store_true", help="onnxruntime, tensorrt: graphs a CUDA graph can hold "
+                   "(no Loop or If: Sinkhorn's rounds unrolled, the draft's conditionals dropped, same results), and "
+                   "engine.json naming the verify and draft-cycle profiles, so that on an NVIDIA GPU each of those "
+                   "calls is recorded once per bucket of static shapes and replayed as one launch; costs a little "
+                   "on the CPU (default: off)")
     p.add_argument("--onnx-only", action="store_true", help="tensorrt: prepare the graphs for TensorRT (plugin "
                    "nodes, profiles, engine.json) and stop before building engines; needs no TensorRT")
     p.add_argument("--builder-optimization-level", type=int, choices=range(6),

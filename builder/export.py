@@ -39,9 +39,9 @@ from .model.rope import inv_freq
 class _Graph(nn.Module):
     """Flat tensors in and out around a pipeline stage of Transformer (target) or drafting.draft_cycle (draft)."""
 
-    def __init__(self, model: Transformer, draft: bool, stage: Stage):
+    def __init__(self, model: Transformer, draft: bool, stage: Stage, conditional: bool = True):
         super().__init__()
-        self.model, self.draft, self.stage = model, draft, stage
+        self.model, self.draft, self.stage, self.conditional = model, draft, stage, conditional
         layout = CacheLayout(model.cfg, draft, layers=None if draft else stage.layers)
         self.groups, self.paged = layout.groups, layout.paged
 
@@ -60,7 +60,7 @@ class _Graph(nn.Module):
         layers = [caches[layer] for layer in sorted(caches)]
         if self.draft:
             cycle = draft_cycle(self.model, hidden, input_ids, positions, lengths, layers[0], temperature, top_k,
-                                top_p, uniforms)
+                                top_p, uniforms, self.conditional)
             return (cycle.drafts, cycle.probs, *(getattr(cycle.delta, g.name) for g in self.groups))
         stage, model = self.stage, self.model
         x = model.embedded_streams(input_ids) if stage.first else hidden
@@ -84,9 +84,11 @@ def rope_table(cfg: V4Config, initializer: str) -> torch.Tensor | None:
 
 
 def export_graph(cfg: V4Config, draft: bool, dtype: torch.dtype = torch.float32, max_batch: int = 64,
-                 max_seq_len: int = 4096, mtp: int = 0, stage: Stage | None = None) -> ir.Model:
+                 max_seq_len: int = 4096, mtp: int = 0, stage: Stage | None = None, conditional: bool = True
+                 ) -> ir.Model:
     """The target graph (or one pipeline stage of it), or the draft graph of k = mtp drafts per call, as an onnx_ir
-    Model whose checkpoint initializers have no data yet (and which holds only the initializers it reads)."""
+    Model whose checkpoint initializers have no data yet (and which holds only the initializers it reads).
+    `conditional=False`: the draft without its If nodes (for CUDA graphs; builder/model/drafting.py)."""
     dtype_name = str(dtype).removeprefix("torch.")
     stage = stage or single_stage(cfg.num_hidden_layers)[0]
     with torch.device("meta"):                               # no weight memory, whatever the model size
@@ -105,7 +107,7 @@ def export_graph(cfg: V4Config, draft: bool, dtype: torch.dtype = torch.float32,
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)  # torchvision absent
     with warnings.catch_warnings():     # the exporter's own deprecation chatter; our checks follow the export
         warnings.simplefilter("ignore")
-        program = torch.onnx.export(_Graph(model, draft, stage).eval(), examples, dynamo=True, opset_version=OPSET,
+        program = torch.onnx.export(_Graph(model, draft, stage, conditional).eval(), examples, dynamo=True, opset_version=OPSET,
                                     optimize=False, input_names=[s.name for s in inputs],
                                     output_names=[s.name for s in outputs], dynamic_shapes=(dynamic,), verbose=False)
     return program.model

@@ -22,9 +22,10 @@ PLUGIN_OPS: tuple[str, ...] = tuple(f.name for m in _MODULES for f in m.PLUGIN_F
 AOT_OPS: tuple[str, ...] = tuple(name for name in PLUGIN_OPS if name not in {f.name for f in moe.PLUGIN_FUNCTIONS})
 
 
-def onnx_functions() -> list[onnx.FunctionProto]:
-    """Every op's lowering and the helpers they call, ready for `ModelProto.functions`."""
-    out = [sinkhorn_function(), *(fn.to_function_proto() for fn in paging.HELPER_FUNCTIONS)]
+def onnx_functions(sinkhorn_rounds: int | None = None) -> list[onnx.FunctionProto]:
+    """Every op's lowering and the helpers they call, ready for `ModelProto.functions`. `sinkhorn_rounds`: the
+    Sinkhorn's rounds written out, no Loop (an engine for CUDA graphs; sinkhorn.py)."""
+    out = [sinkhorn_function(sinkhorn_rounds), *(fn.to_function_proto() for fn in paging.HELPER_FUNCTIONS)]
     for module in _MODULES:
         for fn in module.PLUGIN_FUNCTIONS:
             proto = fn.to_function_proto()

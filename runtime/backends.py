@@ -96,21 +96,53 @@ def _profiles(fields: JsonFields, graphs: Mapping[str, GraphEntry]) -> dict[str,
     return _per_graph(fields, "profiles", graphs, read)
 
 
+def _cuda_graphs(fields: JsonFields, profiles: Mapping[str, tuple[Profile, ...]] | None) -> tuple[str, ...]:
+    """`cuda_graphs`: the names of the profiles whose calls run as CUDA graphs (runtime/cuda_graphs.py), each one
+    some graph has; () when absent (an engine built without --cuda-graphs)."""
+    names = tuple(fields.items("cuda_graphs", str, []))
+    known = {profile.name for graph_profiles in (profiles or {}).values() for profile in graph_profiles}
+    if any(name not in known for name in names) or len(set(names)) != len(names):
+        fields.fail("cuda_graphs", f"must name profiles of the engine's graphs, once each ({sorted(known)})",
+                    list(names))
+    return names
+
+
+def _check_buckets(fields: JsonFields, profiles: Mapping[str, tuple[Profile, ...]],
+                   graphs: Mapping[str, GraphEntry]) -> dict[str, list[Bucket]]:
+    """Every graph's buckets of static shapes (runtime/buckets.py), once its profiles give each dynamic input with
+    one range per dimension: what programs and CUDA graphs are made for."""
+    buckets = {}
+    for graph, entry in graphs.items():
+        try:
+            buckets[graph] = graph_buckets(profiles[graph], entry.inputs)
+        except ValueError as e:
+            fields.fail("profiles", f"{graph}'s must give every dynamic input, each dimension one range ({e})", graph)
+    return buckets
+
+
 # ---------------------------------------------------------------------- ONNX Runtime
 @dataclass(frozen=True)
 class OnnxRuntimeCompiled(CompileRecord):
     """ONNX Runtime compiles nothing ahead: the build only loads every graph. Its version, the execution providers
-    that loaded them, and, when none could, why (`not_loaded`: a bf16 engine with only the CPU provider here)."""
+    that loaded them, and, when none could, why (`not_loaded`: a bf16 engine with only the CPU provider here).
+    An engine built for CUDA graphs (--cuda-graphs) also has its graphs' calls as profiles, and `cuda_graphs`
+    names those whose calls the CUDA provider records (their buckets: runtime/cuda_graphs.py)."""
 
     onnxruntime: str
     providers_checked: tuple[str, ...]
     not_loaded: str | None = None
+    profiles: dict[str, tuple[Profile, ...]] | None = None
+    cuda_graphs: tuple[str, ...] = ()
 
     @classmethod
     def from_dict(cls, raw: Any, source: str, graphs: Mapping[str, GraphEntry]) -> OnnxRuntimeCompiled:
         record = _record(raw, source)
+        profiles = _profiles(record, graphs) if record.get("profiles", (dict, type(None)), None) is not None else None
+        cuda_graphs = _cuda_graphs(record, profiles)
+        if cuda_graphs:
+            _check_buckets(record, profiles, graphs)
         return cls(record.get("onnxruntime", str), tuple(record.items("providers_checked", str)),
-                   record.get("not_loaded", str, None))
+                   record.get("not_loaded", str, None), profiles, cuda_graphs)
 
 
 # ---------------------------------------------------------------------- TensorRT
@@ -140,16 +172,21 @@ class TensorRTCompiled(CompileRecord):
     plans: dict[str, BuiltPlan] | None
     tensorrt: str
     timing_cache: str | None = None
+    cuda_graphs: tuple[str, ...] = ()      # the profiles whose calls run as CUDA graphs (runtime/cuda_graphs.py)
 
     @classmethod
     def from_dict(cls, raw: Any, source: str, graphs: Mapping[str, GraphEntry]) -> TensorRTCompiled:
         record = _record(raw, source)
         plans = record.get("plans", (dict, type(None)))
-        return cls(_profiles(record, graphs), record.integer("optimization_level", 0, 5),
+        profiles = _profiles(record, graphs)
+        cuda_graphs = _cuda_graphs(record, profiles)
+        if cuda_graphs:
+            _check_buckets(record, profiles, graphs)
+        return cls(profiles, record.integer("optimization_level", 0, 5),
                    _per_graph(record, "plugin_nodes", graphs, lambda nodes, graph: nodes.integer(graph, 0, MAX_COUNT)),
                    None if plans is None else _per_graph(record, "plans", graphs,
                                                          lambda built, graph: BuiltPlan.read(built.nested(graph))),
-                   record.get("tensorrt", str), record.get("timing_cache", str, None))
+                   record.get("tensorrt", str), record.get("timing_cache", str, None), cuda_graphs)
 
 
 # ---------------------------------------------------------------------- MIGraphX
@@ -200,13 +237,7 @@ class MIGraphXCompiled(CompileRecord):
     def from_dict(cls, raw: Any, source: str, graphs: Mapping[str, GraphEntry]) -> MIGraphXCompiled:
         record = _record(raw, source)
         profiles = _profiles(record, graphs)
-        buckets = {}
-        for graph, entry in graphs.items():
-            try:
-                buckets[graph] = graph_buckets(profiles[graph], entry.inputs)
-            except ValueError as e:
-                record.fail("profiles", f"{graph}'s must give every dynamic input, each dimension one range ({e})",
-                            graph)
+        buckets = _check_buckets(record, profiles, graphs)
 
         def programs(entries: JsonFields, graph: str) -> tuple[Program, ...]:
             listed, names = _objects(entries, graph), [bucket.name for bucket in buckets[graph]]

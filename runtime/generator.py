@@ -87,7 +87,8 @@ class Generator:
                         max_prefill_chunk: int | None = None, threads: int | None = None,
                         providers: list | None = None, share_threads: bool = False,
                         prefix_cache: bool = True, device_pools: bool | None = None,
-                        devices: Sequence[int] | None = None, microbatches: int | None = None) -> "Generator":
+                        devices: Sequence[int] | None = None, microbatches: int | None = None,
+                        cuda_graphs: bool | None = None) -> "Generator":
         """Open an engine directory. mtp (<= the engine's k, 0 disables drafting) defaults to the engine's.
 
         providers: ONNX Runtime execution providers, e.g. ["CUDAExecutionProvider", "CPUExecutionProvider"] with
@@ -105,7 +106,10 @@ class Generator:
         engine's pipeline stages (v4build --pipeline-stages; one per stage, the draft on the last stage's), as ONNX
         Runtime's CUDA device_id, TensorRT's device or MIGraphX's (default: every stage where the backend runs by
         default, the CPU for ONNX Runtime). microbatches: a call's rows cut into this many slices in flight on
-        different stages at once (default: one per stage when each stage has a GPU of its own; 1: none)."""
+        different stages at once (default: one per stage when each stage has a GPU of its own; 1: none).
+        cuda_graphs: an ONNX Runtime engine built with --cuda-graphs runs its verify and draft-cycle calls as
+        recorded CUDA graphs (default: on the CUDA provider; True on the CPU takes the same static buffers, without
+        recording; False: never). TensorRT engines built with it always do."""
         path = Path(path)
         manifest = EngineManifest.read(path)
         if backend is not None and backend != manifest.backend:
@@ -134,6 +138,8 @@ class Generator:
         options = {k: v for k, v in (("threads", threads), ("providers", providers)) if v}
         if device_pools is not None:
             options["device_pools"] = device_pools
+        if cuda_graphs is not None:
+            options["cuda_graphs"] = cuda_graphs
         if mtp or len(manifest.stages) > 1:
             options["alternating"] = True       # sessions (target and draft, pipeline stages) take turns on the cores
         target = open_target(path, manifest, devices, microbatches, **options)

@@ -31,6 +31,14 @@ scripts/gpu_check.sh runs first and hands over as JUnit XML (--tests).
     against what a step cost before the pools lived on the device, the whole pools of the B sequences crossing
     PCIe (their bytes at a measured pinned host-to-device copy).
 
+(f) CUDA graphs (v4build --cuda-graphs, runtime/cuda_graphs.py): a recorded verify replays every kernel its graph
+    launched, the plugins' included (TensorRT records its enqueue; the routed experts' plugin runs its torch
+    launcher inside it). Every op's torch launcher at V4-Flash's verify shape (B = 8 rows of k + 1 = 4 queries at the
+    end of the context) is recorded once by torch.cuda.graph, fresh inputs are copied into the recorded buffers and
+    it is replayed: the replay must equal the launcher run directly on those inputs bit for bit (same launches, same
+    addresses, nothing the host decided at recording time), and pass (a)'s verdict against the reference. Timed:
+    the launcher called directly (kernel ms) against the replay (aot ms column: one launch).
+
 --dry-run, without a GPU (tests/test_gpu_check.py runs it): (b) and (c) at the tiny size up to the launch: the plans
 built from the inputs, TensorRT's arguments against the PTX compiled for sm90, the bytes of the floor; (e) at the
 tiny size on CPU tensors.
@@ -525,6 +533,48 @@ def check_pools(report: Report, device: torch.device, dry_run: bool) -> None:
         torch.cuda.empty_cache()
 
 
+# --------------------------------------------------------------------------- (f) CUDA graphs
+GRAPH_ROWS, GRAPH_QUERIES = 8, 4          # a verify of k = 3 drafts for 8 sequences
+
+
+def check_cuda_graphs(report: Report, device: torch.device) -> None:
+    z = catalog.SIZES["v4-flash"]
+    draw = Draw(device, seed=11)
+    for op in OPS:
+        report.run(Row("graphs", f"v4-flash {op} verify@{context(z)} B={GRAPH_ROWS} S={GRAPH_QUERIES}"),
+                   lambda row: graph_row(row, op, z, draw))
+        torch.cuda.empty_cache()
+
+
+def graph_row(row: Row, op: str, z: SimpleNamespace, draw: Draw) -> None:
+    """One op's launcher recorded, replayed on fresh inputs copied into its buffers (see (f))."""
+    def fresh() -> dict[str, torch.Tensor]:
+        q_pos = query_positions(z, GRAPH_ROWS, GRAPH_QUERIES, draw, at_end=True)
+        return make_inputs(op, z, q_pos, draw, holes=False)
+
+    attrs, launch = op_attrs(op, z), kernel(op)
+    static = fresh()
+    launch(*static.values(), **attrs)                  # compiles and warms up outside the recording
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        recorded = tensors(launch(*static.values(), **attrs))
+    inputs = fresh()
+    for name, value in inputs.items():
+        static[name].copy_(value)
+    graph.replay()
+    direct = tensors(launch(*inputs.values(), **attrs))
+    torch.cuda.synchronize()
+    same = all(torch.equal(a, b) for a, b in zip(recorded, direct))
+    verdict = judge(op, launch(*inputs.values(), **attrs), reference(op)(*as_fp32(inputs).values(), **attrs),
+                    inputs, attrs)
+    row.ok, row.error, row.limit = same and verdict.ok, verdict.error, verdict.limit
+    row.kernel_ms = gpu_ms(lambda: launch(*static.values(), **attrs))
+    row.aot_ms = gpu_ms(graph.replay)
+    row.note = ("replay = direct launch, bit for bit" if same else "replay differs from the direct launch") + \
+        f"; {verdict}"
+
+
 def _wall_ms(fn: Callable[[], None]) -> float:
     started = time.perf_counter()
     fn()
@@ -603,6 +653,7 @@ def main(argv: list[str] | None = None) -> int:
                 check_aot(report, ptx, catalog.SIZES, device)
             copy_gbps = copy_bandwidth(report, device)
             check_pools(report, device, dry_run=False)
+            check_cuda_graphs(report, device)
             check_timing(report, "v4-flash", TIMING_BATCHES, ptx, copy_gbps, device)
     except KeyboardInterrupt:          # gpu_check.sh's time limit: keep what was done
         extra["interrupted"] = f"after {time.monotonic() - started:.0f} s"

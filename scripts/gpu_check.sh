@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check (issue 7), in one run of a few minutes on a machine with an NVIDIA GPU:
 #   (a) numerics and (d) TensorRT: the pytest tests marked gpu (tests/test_gpu_*.py), then
-#   (b) the AOT PTX launched as TensorRT launches it and (c) the bandwidth table: scripts/gpu_check.py, whose table
+#   (b) the AOT PTX launched as TensorRT launches it, (c) the bandwidth table, (e) device pools and (f) kernels
+#       recorded as CUDA graphs: scripts/gpu_check.py, whose table
 #       (OUT/gpu_check.md) lists the tests' verdicts too.
 #
 #   bash scripts/gpu_check.sh [--dry-run]      # from any directory

@@ -131,3 +131,25 @@ def test_a_draft_cycle_is_the_extend_then_recursive_steps_on_the_cache(model, le
                 o = model.draft(o.hidden[:, -1:], d, row.positions(1), row.views()[0])
                 row.commit(o.deltas, [1])
                 logits = o.logits[:, -1]
+
+
+@pytest.mark.parametrize("temperatures, top_k", [([0.0, 0.0], 0), ([0.0, 0.9], 0), ([0.7, 1.0], 40)])
+def test_a_draft_cycle_without_conditionals_is_the_same_cycle(model, temperatures, top_k):
+    """For CUDA graphs the draft graph has no If: the branch handling every row runs always (conditional=False).
+    Drafts, distributions and cache rows are exactly those of the conditional cycle, for an all-greedy batch (the
+    skipped distributions), a greedy row beside a sampled one, and filtering rows (the skipped ranking)."""
+    from v4engine.builder.model.drafting import draft_cycle
+
+    cfg, B, S = model.cfg, len(temperatures), 4
+    gen = torch.Generator().manual_seed(7)
+    hidden = torch.randn(B, S, cfg.hc_mult, cfg.hidden_size, generator=gen)
+    ids = torch.randint(0, cfg.vocab_size, (B, S), generator=gen)
+    state = ModelState(cfg, B, draft=True)
+    args = dict(temperature=torch.tensor(temperatures), top_k=torch.tensor([top_k] * B),
+                top_p=torch.tensor([1.0] * B), uniforms=torch.rand(B, 3, generator=gen))
+    with torch.no_grad():
+        cycles = [draft_cycle(model, hidden, ids, state.positions(S), torch.tensor([S, S - 1]), state.views()[0],
+                              **args, conditional=conditional) for conditional in (True, False)]
+    assert torch.equal(cycles[0].drafts, cycles[1].drafts)
+    assert torch.equal(cycles[0].probs, cycles[1].probs)
+    assert torch.equal(cycles[0].delta.window_kv, cycles[1].delta.window_kv)

@@ -19,9 +19,9 @@ _DTYPES = {torch.float32: onnx.TensorProto.FLOAT, torch.int64: onnx.TensorProto.
 
 
 def run_onnx(op: str, inputs: list[torch.Tensor], attrs: dict, out_specs: list[tuple[torch.dtype, int]],
-             plugin: bool = True) -> list[np.ndarray]:
+             plugin: bool = True, sinkhorn_rounds: int | None = None) -> list[np.ndarray]:
     """One call node of `v4::op` (with the plugin attributes unless plugin=False) in a model that carries every
-    function (Sinkhorn's for 19 rounds).
+    function (Sinkhorn's as a Loop, or `sinkhorn_rounds` rounds written out).
 
     out_specs: (dtype, rank) of each output. The model passes onnx.checker's full check."""
     names = [f"in{i}" for i in range(len(inputs))]
@@ -35,7 +35,7 @@ def run_onnx(op: str, inputs: list[torch.Tensor], attrs: dict, out_specs: list[t
         [helper.make_tensor_value_info(o, _DTYPES[dt], [f"{o}_{i}" for i in range(rank)])
          for o, (dt, rank) in zip(outs, out_specs)])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(DOMAIN, 1)],
-                              functions=onnx_functions(), ir_version=10)
+                              functions=onnx_functions(sinkhorn_rounds), ir_version=10)
     onnx.checker.check_model(model, full_check=True)
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     return session.run(None, {n: t.numpy() for n, t in zip(names, inputs)})
@@ -62,15 +62,19 @@ def test_every_op_has_a_function():
     assert {f.name for f in onnx_functions()} >= set(PLUGIN_OPS)
 
 
-def test_sinkhorn_function_is_its_reference_in_one_loop(gen):
-    """The mHC Sinkhorn rounds as one node: its function (a Loop of 19 rounds, V4's 20 iterations) runs the
-    reference's very operations, so ONNX Runtime agrees to float rounding; the reference gives doubly stochastic
-    rows."""
+@pytest.mark.parametrize("unrolled", [None, 19])
+def test_sinkhorn_function_is_its_reference(gen, unrolled):
+    """The mHC Sinkhorn rounds as one node: its function (a Loop of 19 rounds, V4's 20 iterations, or the 19
+    rounds written out for CUDA graphs) runs the reference's very operations, so ONNX Runtime agrees to float
+    rounding; the reference gives doubly stochastic rows."""
     comb = torch.rand(2, 5, 4, 4, generator=gen) + 0.01
     expected = hc_sinkhorn(comb, rounds=19, eps=1e-6)
-    (got,) = run_onnx("HcSinkhorn", [comb], {"rounds": 19, "eps": 1e-6}, [(torch.float32, 4)], plugin=False)
+    (got,) = run_onnx("HcSinkhorn", [comb], {"rounds": 19, "eps": 1e-6}, [(torch.float32, 4)], plugin=False,
+                      sinkhorn_rounds=unrolled)
     np.testing.assert_allclose(got, expected.numpy(), rtol=0, atol=1e-7)
     torch.testing.assert_close(expected.sum(-2), torch.ones(2, 5, 4), rtol=0, atol=1e-5)
+    ops = {node.op_type for f in onnx_functions(unrolled) if f.name == "HcSinkhorn" for node in f.node}
+    assert ("Loop" in ops) == (unrolled is None)
 
 
 def test_sliding_attention(gen):

@@ -4,7 +4,10 @@ in their memory-mapped files during the check, so the build's memory does not gr
 
 The CPU execution provider has no bfloat16 kernels: a bf16 engine is checked on the CUDA provider when
 onnxruntime-gpu is installed, and otherwise recorded as not loaded here (the graphs still passed onnx.checker
-and strict shape inference)."""
+and strict shape inference).
+
+An engine built with --cuda-graphs also records its graphs' calls as profiles (as TensorRT's), and the verify
+and draft-cycle ones as those the CUDA provider records (runtime/cuda_graphs.py)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,9 +21,12 @@ from onnx import helper, numpy_helper
 from v4engine.plugins import DOMAIN
 from v4engine.plugins.moe import NAME as ROUTED_EXPERTS
 from v4engine.runtime.backends import OnnxRuntimeCompiled
+from v4engine.runtime.cuda_graphs import CAPTURED_CALLS
 from v4engine.runtime.errors import V4EngineError
 from v4engine.runtime.engine import EngineManifest
 from v4engine.runtime.sessions import open_session
+
+from .profiles import engine_profiles
 
 if TYPE_CHECKING:
     from ..build import BuildOptions
@@ -50,6 +56,9 @@ def compile_engine(engine_dir: Path, manifest: EngineManifest, options: BuildOpt
         providers = ("CPUExecutionProvider",)
     for graph in manifest.graphs:
         open_session(engine_dir, manifest, graph, providers=list(providers), load_check=True)
+    if options.cuda_graphs:         # the calls recorded as CUDA graphs, by the buckets of their profiles
+        return OnnxRuntimeCompiled(ort.__version__, providers, profiles=engine_profiles(manifest),
+                                   cuda_graphs=CAPTURED_CALLS)
     return OnnxRuntimeCompiled(ort.__version__, providers)
 
 

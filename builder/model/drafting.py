@@ -12,6 +12,10 @@ from the q the acceptance test is given. The processing mirrors runtime/sampling
 subtracting the max, top-k keeping ties, then the smallest top-p prefix) in float32, so the acceptance rates are
 the runtime's own (`draft_distribution` says where a filtering row can differ); greedy rows (temperature 0) take
 the argmax, first on ties, as numpy does, and their `probs` are one-hot.
+
+Two conditionals skip work no row needs (the distributions of an all-greedy batch, the ranking of a batch that
+does not filter). `conditional=False` drops them for CUDA graphs, which cannot hold an If: the branch that
+handles every row runs always, with the same results.
 """
 from __future__ import annotations
 
@@ -32,14 +36,16 @@ class DraftCycleOutput:
                                     # rows are never kept: the next cycle rewrites them from the target's streams)
 
 
-def draft_distribution(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-                       ) -> torch.Tensor:
+def draft_distribution(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                       conditional: bool = True) -> torch.Tensor:
     """Probabilities [B, V] after temperature [B] (> 0), top-k [B] (0 = all) and top-p [B] (>= 1: all), every row
     with its own settings: sampling.distribution in float32. Rows are ranked only when one of them filters
-    (a conditional: ranking costs more than the rest of a draft step)."""
+    (a conditional: ranking costs more than the rest of a draft step), or always when not `conditional`."""
     vocab = logits.shape[-1]
     z = (logits - logits.amax(-1, keepdim=True)) / temperature.unsqueeze(-1)
     filters = ((top_k > 0) & (top_k < vocab)) | (top_p < 1)
+    if not conditional:
+        return _filtered(z, filters, top_k, top_p)
     return torch.cond(filters.any(), _filtered, _unfiltered, (z, filters, top_k, top_p))
 
 
@@ -74,9 +80,11 @@ def draw(p: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
 
 
 def draft_token(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                uniform: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                uniform: torch.Tensor, conditional: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(token [B], the distribution it was drawn from [B, V]) for one draft position of every row. A batch of
-    greedy rows only takes the argmax (a conditional: it skips the distributions)."""
+    greedy rows only takes the argmax (a conditional: it skips the distributions), unless not `conditional`."""
+    if not conditional:
+        return _sampled(logits, temperature, top_k, top_p, uniform, conditional=False)
     return torch.cond((temperature > 0).any(), _sampled, _greedy, (logits, temperature, top_k, top_p, uniform))
 
 
@@ -87,18 +95,20 @@ def _greedy(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor
 
 
 def _sampled(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-             uniform: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+             uniform: torch.Tensor, conditional: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     greedy = temperature == 0
     best, one_hot = _greedy(logits, temperature, top_k, top_p, uniform)
-    p = draft_distribution(logits, torch.where(greedy, torch.ones_like(temperature), temperature), top_k, top_p)
+    p = draft_distribution(logits, torch.where(greedy, torch.ones_like(temperature), temperature), top_k, top_p,
+                           conditional)
     return torch.where(greedy, best, draw(p, uniform)), torch.where(greedy.unsqueeze(-1), one_hot, p)
 
 
 def draft_cycle(model: Transformer, hidden: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
                 lengths: torch.Tensor, cache: LayerCache, temperature: torch.Tensor, top_k: torch.Tensor,
-                top_p: torch.Tensor, uniforms: torch.Tensor) -> DraftCycleOutput:
+                top_p: torch.Tensor, uniforms: torch.Tensor, conditional: bool = True) -> DraftCycleOutput:
     """The extend over hidden/next_ids/positions [B, S] (row b valid for its first lengths[b] >= 1 positions), then
-    k = uniforms.shape[1] drafts per row, each draft step at the position after the previous one.
+    k = uniforms.shape[1] drafts per row, each draft step at the position after the previous one (`conditional`:
+    see the module doc).
 
     The window a recursive step reads is the W - 1 rows before its position: the cache's window followed by the
     extend's rows, from the row's own length on (never its padding), then each step's own row."""
@@ -115,7 +125,7 @@ def draft_cycle(model: Transformer, hidden: torch.Tensor, next_ids: torch.Tensor
     drafts, probs = [], []
     steps = uniforms.shape[1]
     for step in range(steps):
-        token, p = draft_token(logits, temperature, top_k, top_p, uniforms[:, step])
+        token, p = draft_token(logits, temperature, top_k, top_p, uniforms[:, step], conditional)
         drafts.append(token)
         probs.append(p)
         if step + 1 == steps:

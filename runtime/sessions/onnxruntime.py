@@ -25,6 +25,13 @@ provider (CUDA; MIGraphX through onnxruntime-migraphx) they are torch tensors on
 on the device for the CUDA provider and the pool writes them there (runtime/pool_arrays.py); the other outputs
 come to the host. `device_pools=True` runs the same binding path on the CPU provider with torch CPU tensors (how
 it is tested without a GPU).
+
+CUDA graphs. An engine built with --cuda-graphs runs its verify and draft-cycle calls on the CUDA provider as
+recorded CUDA graphs (runtime/cuda_graphs.py): the provider is made with `enable_cuda_graph`, each bucket of static
+shapes gets an IOBinding over buffers allocated once and a graph id of its own (the run option `gpu_graph_id`),
+which ONNX Runtime records on the binding's first run and replays after; every other call runs with graph id -1
+(not recorded). `cuda_graphs=True` takes the same static-buffer path on the CPU provider (no graph is recorded
+there): how it is tested without a GPU.
 """
 from __future__ import annotations
 
@@ -37,6 +44,9 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
+from ..backends import OnnxRuntimeCompiled
+from ..buckets import Bucket
+from ..cuda_graphs import CapturedCalls, captured_buckets
 from ..engine import EngineManifest
 from ..engine_folder import ELEMENT_TYPES, EngineFolder, EngineFormatError, read_graph
 from ..pool_arrays import NUMPY_DTYPES, to_numpy
@@ -49,6 +59,7 @@ QMOE_GEMM = "ORT_QMOE_CPU_QNBIT_GEMM"
 DEVICE_PROVIDERS = {"CUDAExecutionProvider": "cuda", "MIGraphXExecutionProvider": None}
 Provider = str | tuple[str, dict]
 BFLOAT16 = NUMPY_DTYPES["bf16"]                          # ml_dtypes' bfloat16
+GRAPH_ID = "gpu_graph_id"                                # the run option naming a call's recorded graph (-1: none)
 
 
 def _device_of(providers: list[Provider]) -> tuple[str, str | None, int] | None:
@@ -60,13 +71,18 @@ def _device_of(providers: list[Provider]) -> tuple[str, str | None, int] | None:
         if name in DEVICE_PROVIDERS:
             return name, DEVICE_PROVIDERS[name], int(options.get("device_id", 0))
     return None
-def providers_on(providers: list[Provider], device: int) -> list[Provider]:
-    """`providers` with each GPU provider's device_id set to `device`."""
-    placed: list[Provider] = []
+def _with_option(providers: list[Provider], names: Any, key: str, value: Any) -> list[Provider]:
+    """`providers` with option `key` set to `value` on those named in `names`."""
+    out: list[Provider] = []
     for provider in providers:
         name, options = (provider, {}) if isinstance(provider, str) else provider
-        placed.append((name, {**options, "device_id": device}) if name in DEVICE_PROVIDERS else provider)
-    return placed
+        out.append((name, {**options, key: value}) if name in names else provider)
+    return out
+
+
+def providers_on(providers: list[Provider], device: int) -> list[Provider]:
+    """`providers` with each GPU provider's device_id set to `device`."""
+    return _with_option(providers, DEVICE_PROVIDERS, "device_id", device)
 
 
 _shared_pool = False             # share_thread_pool() ran: every session of this process uses one pool
@@ -96,18 +112,31 @@ def release_freed_heap() -> None:
 class OnnxRuntimeSession(EngineSession):
     def __init__(self, engine_dir: str | Path, manifest: EngineManifest, graph: str, device: int | None = None,
                  providers: list[Provider] | None = None, threads: int | None = None, load_check: bool = False,
-                 alternating: bool = False, device_pools: bool | None = None):
+                 alternating: bool = False, device_pools: bool | None = None, cuda_graphs: bool | None = None):
         """`device`: the GPU (its `device_id`) for the GPU providers in `providers` (default: CUDA, then the CPU).
         `device_pools`: keep the pools as torch tensors on the session's device (None: when a GPU provider
         comes first; True on the CPU provider: torch CPU tensors through the same binding path). `load_check`: only prove that ONNX Runtime loads and resolves the graph, with every weight left in
         its memory-mapped file (no graph optimization, no prepacking): memory stays flat in the model size.
         `alternating`: this session takes turns with another (target and MTP draft). Then, on a pool of its own,
         its idle threads must not spin: two spinning pools on the same cores made MTP = 3 slower than no drafting
-        (0.73x). `threads` and `alternating` mean nothing once the process shares one pool (share_thread_pool)."""
+        (0.73x). `threads` and `alternating` mean nothing once the process shares one pool (share_thread_pool).
+        `cuda_graphs`: run the per-token calls of an engine built with --cuda-graphs as recorded graphs (None: when
+        it was, on the CUDA provider; True on the CPU provider: the same static buffers, nothing recorded)."""
         folder = EngineFolder(engine_dir)
         entry = manifest.graphs[graph]
         if device is not None:
             providers = providers_on(providers or ["CUDAExecutionProvider", "CPUExecutionProvider"], device)
+        compiled = manifest.compiled
+        captured = compiled.cuda_graphs if isinstance(compiled, OnnxRuntimeCompiled) else ()
+        gpu = _device_of(providers or [])
+        on_cuda = gpu is not None and gpu[0] == "CUDAExecutionProvider" and gpu[0] in ort.get_available_providers()
+        if cuda_graphs and not captured:
+            raise EngineFormatError(f"{folder.directory}: built without --cuda-graphs, so its graphs cannot be "
+                                    "recorded as CUDA graphs; rebuild with v4build --cuda-graphs")
+        cuda_graphs = bool(captured) and on_cuda if cuda_graphs is None else cuda_graphs
+        self._recording = cuda_graphs and on_cuda       # ONNX Runtime records graphs (else: only static buffers)
+        if self._recording:
+            providers = _with_option(providers or [], {"CUDAExecutionProvider"}, "enable_cuda_graph", "1")
         weights = folder.map_weights(manifest.weights)
         model = read_graph(folder, entry, weights)
         options = ort.SessionOptions()
@@ -140,11 +169,10 @@ class OnnxRuntimeSession(EngineSession):
         self._output_names = [o.name for o in entry.outputs]
         self._graph = folder.directory / entry.file
         self._bind_outputs: str | None = None       # device type where new rows stay (None: the host)
-        gpu = _device_of(providers or [])
         if gpu is not None and gpu[0] not in self._session.get_providers():
             gpu = None                  # asked for, but this ONNX Runtime has it not: the session runs on the CPU
-        if device_pools is None:
-            device_pools = gpu is not None
+        if device_pools is None or cuda_graphs:
+            device_pools = gpu is not None or bool(cuda_graphs)
         if device_pools:
             try:
                 import torch
@@ -155,10 +183,22 @@ class OnnxRuntimeSession(EngineSession):
             self.pool_device = "cpu" if gpu is None else f"cuda:{gpu[2]}"     # torch names ROCm devices cuda too
             self._bind_outputs = gpu and gpu[1]
             self._device_id = 0 if gpu is None else gpu[2]
+        self._eager = ort.RunOptions()
+        if self._recording:
+            self._eager.add_run_config_entry(GRAPH_ID, "-1")
+        self._captured: CapturedCalls | None = None
+        if cuda_graphs:
+            buckets = captured_buckets(compiled.profiles[graph], captured, self.inputs)
+            self._captured = CapturedCalls(self._torch, self.pool_device, buckets, self.inputs, self.outputs,
+                                           manifest.layout_of(graph), self._capture, self.on_device)
+            self.pool_shape = self._captured.pool_shape
 
     def run(self, feeds: dict[str, Any]) -> dict[str, Any]:
+        bucket = self._captured and self._captured.bucket_for(feeds)
         try:
-            if self.pool_device is None:
+            if bucket:
+                outputs = self._captured.run(feeds, bucket)
+            elif self.pool_device is None:
                 outputs = dict(zip(self._output_names, self._session.run(self._output_names, feeds)))
             else:
                 outputs = self._run_bound(feeds)
@@ -180,7 +220,7 @@ class OnnxRuntimeSession(EngineSession):
                 binding.bind_output(name, self._bind_outputs, self._device_id)
             else:
                 binding.bind_output(name)
-        self._session.run_with_iobinding(binding)
+        self._session.run_with_iobinding(binding, self._eager)
         binding.synchronize_outputs()   # new rows are read on torch's stream next: ONNX Runtime's must be done
         outputs = {}
         for name, value in zip(self._output_names, binding.get_outputs()):
@@ -191,6 +231,24 @@ class OnnxRuntimeSession(EngineSession):
             else:
                 outputs[name] = value.numpy()
         return outputs
+
+    def _capture(self, bucket: Bucket, number: int, inputs: dict[str, Any], outputs: dict[str, Any]) -> Any:
+        """A bucket's call bound once to its static buffers; on the CUDA provider under graph id `number`, which
+        ONNX Runtime records on the first run and replays on every later one."""
+        binding = self._session.io_binding()
+        for name, tensor in inputs.items():
+            binding.bind_ortvalue_input(name, ort.OrtValue.from_dlpack(tensor))
+        for name, tensor in outputs.items():
+            binding.bind_ortvalue_output(name, ort.OrtValue.from_dlpack(tensor))
+        options = ort.RunOptions()
+        if self._recording:
+            options.add_run_config_entry(GRAPH_ID, str(number))
+
+        def replay() -> None:
+            self._session.run_with_iobinding(binding, options)
+            binding.synchronize_outputs()
+
+        return replay
 
 
 def _host_value(array: np.ndarray) -> ort.OrtValue:

@@ -12,6 +12,14 @@ numpy arrays (bf16 as ml_dtypes' bfloat16), so fp32, fp16 and bf16 engines all r
 The attention, indexer and compressor plugins run their ahead-of-time kernels (the builder marks those nodes
 `aot=1`); the routed experts' plugin runs just in time (its kernels' torch launcher), so loading an engine with a
 MoE needs the plugins registered in this process: `register_plugins` runs before every load.
+
+CUDA graphs. An engine built with --cuda-graphs has graphs without control flow and names its verify and
+draft-cycle profiles in engine.json (`cuda_graphs`): those calls are padded to buckets of static shapes and each
+bucket's enqueue is recorded once by torch.cuda.graph and replayed after (runtime/cuda_graphs.py), as TensorRT's
+guide describes: an execution context of its own per recorded bucket (its profile, shapes and addresses set once;
+the contexts share one scratch allocation, ExecutionContextAllocationStrategy.USER_MANAGED, since one stream runs
+them one at a time), one enqueue before recording so that TensorRT's deferred shape work is done outside the
+graph. Prefill chunks run as before.
 Written to TensorRT's documented Python API (10.x/11.x); not yet run against TensorRT (README, backends).
 """
 from __future__ import annotations
@@ -22,6 +30,8 @@ from typing import Any
 import numpy as np
 
 from ..backends import TensorRTCompiled
+from ..buckets import Bucket
+from ..cuda_graphs import CapturedCalls, captured_buckets
 from ..engine import EngineManifest
 from ..engine_folder import EngineFolder, EngineFormatError
 from ..errors import V4EngineError
@@ -81,6 +91,13 @@ class TensorRTSession(EngineSession):
         self._active: int | None = None
         entry = manifest.graphs[graph]
         self.inputs, self.outputs = entry.inputs, entry.outputs
+        self._trt, self._recorded, self._scratch = trt, [], None     # the recorded calls' contexts, their memory
+        self._captured: CapturedCalls | None = None
+        if compiled.cuda_graphs:
+            buckets = captured_buckets(self._profiles, compiled.cuda_graphs, self.inputs)
+            self._captured = CapturedCalls(torch, self._device, buckets, self.inputs, self.outputs,
+                                           manifest.layout_of(graph), self._capture, self.on_device)
+            self.pool_shape = self._captured.pool_shape
 
     def _buffer(self, shape: tuple[int, ...], dtype: str) -> Any:
         """A device tensor of `shape`; an empty one still gets one element, so its address is never null."""
@@ -90,12 +107,18 @@ class TensorRTSession(EngineSession):
 
     def run(self, feeds: dict[str, Any]) -> dict[str, Any]:
         torch = self._torch
-        index = choose_profile(self._profiles, {n: tuple(a.shape) for n, a in feeds.items()})
+        bucket = self._captured.bucket_for(feeds) if self._captured is not None else None
+        caller = torch.cuda.current_stream(self._device)        # the stream that wrote the pools
         with torch.cuda.device(self._device), torch.cuda.stream(self._stream):    # (a stage's worker thread too)
+            self._stream.wait_stream(caller)                     # the pools' writes come first
+            if bucket is not None:
+                outputs = self._captured.run(feeds, bucket)
+                self._stream.synchronize()                       # new rows are read on the caller's stream next
+                return outputs
+            index = choose_profile(self._profiles, {n: tuple(a.shape) for n, a in feeds.items()})
             if index != self._active:
                 self._context.set_optimization_profile_async(index, self._stream.cuda_stream)
                 self._active = index
-            self._stream.wait_stream(torch.cuda.current_stream(self._device))     # the pools' writes come first
             held = []
             for spec in self.inputs:
                 value = feeds[spec.name]
@@ -117,3 +140,30 @@ class TensorRTSession(EngineSession):
                 raise V4EngineError(f"TensorRT failed to run the engine on input_ids {feeds['input_ids'].shape}")
             self._stream.synchronize()
         return {name: t if self.on_device(name) else to_numpy(t) for name, t in outputs.items()}
+
+    def _capture(self, bucket: Bucket, number: int, inputs: dict[str, Any], outputs: dict[str, Any]) -> Any:
+        """Record one bucket's enqueue on its static buffers (the module doc says how); returns its replay."""
+        trt, torch, stream = self._trt, self._torch, self._stream.cuda_stream
+        if self._scratch is None:
+            size = getattr(self._engine, "device_memory_size_v2", None)      # TensorRT 10.1+; before, the old one
+            size = self._engine.device_memory_size if size is None else size
+            self._scratch = torch.empty(max(1, size), dtype=torch.uint8, device=self._device)
+        context = self._engine.create_execution_context(trt.ExecutionContextAllocationStrategy.USER_MANAGED)
+        context.set_device_memory(self._scratch.data_ptr(), self._scratch.numel())
+        profile = bucket.name.split(".", 1)[0]           # buckets are named {profile}.b{batch}...
+        context.set_optimization_profile_async([p.name for p in self._profiles].index(profile), stream)
+        for name, tensor in inputs.items():
+            if not context.set_input_shape(name, tuple(tensor.shape)):
+                raise V4EngineError(f"TensorRT refused shape {tuple(tensor.shape)} for input '{name}' of bucket "
+                                    f"{bucket.name}")
+        for name, tensor in (inputs | outputs).items():
+            context.set_tensor_address(name, tensor.data_ptr())
+        if not context.execute_async_v3(stream):         # once outside: TensorRT's deferred work is not recorded
+            raise V4EngineError(f"TensorRT failed to run bucket {bucket.name} before recording it")
+        self._stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=self._stream):
+            if not context.execute_async_v3(stream):
+                raise V4EngineError(f"TensorRT failed to record bucket {bucket.name} as a CUDA graph")
+        self._recorded.append((context, graph))
+        return graph.replay

@@ -1,0 +1,133 @@
+"""CUDA graphs (v4build --cuda-graphs, runtime/cuda_graphs.py), checked as far as a machine without a GPU allows.
+
+1. The engine's graphs hold no control flow (no Loop, If or Scan, functions included), which a CUDA graph cannot
+   hold, while a plain engine's do (Sinkhorn's Loop, the draft's conditionals); engine.json names the verify and
+   draft-cycle profiles as recorded, for ONNX Runtime and TensorRT; MIGraphX refuses the flag in one line.
+2. On the CPU provider the recorded path runs without recording (`cuda_graphs=True`): every verify and draft cycle
+   padded into buffers of a bucket's static shapes, allocated once and bound once, as ONNX Runtime's CUDA
+   provider replays them. Its tokens and acceptance equal the plain engine's, greedy and sampled, on a mixed
+   batch; a bucket whose pools moved is bound again to the new ones (an old binding would read the old pools).
+3. engine.json is untrusted: recorded profiles the engine lacks are refused in one line, and so is asking an
+   engine built without the flag for recorded calls.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from v4engine.builder.build import BuildError, BuildOptions, build, control_flow
+from v4engine.runtime.cuda_graphs import CAPTURED_CALLS
+from v4engine.runtime.engine import EngineManifest
+from v4engine.runtime.engine_folder import EngineFormatError
+from v4engine.runtime.generator import Generator
+from v4engine.runtime.sampling import SamplingParams
+from v4engine.runtime.sessions import open_session
+
+pytestmark = pytest.mark.xdist_group("cuda_graphs")
+
+PROMPTS = [[5, 17, 101, 42], [9] * 11, [77, 3]]
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_engine, tmp_path_factory) -> dict[str, Path]:
+    """The plain tiny engine (mixed, --mtp 3, drafts partly accepted: rollback on every step), and the same
+    checkpoint built with --cuda-graphs for ONNX Runtime and (prepared only) for TensorRT."""
+    checkpoint, plain = tiny_engine("mixed", agree=0.05)
+    work = tmp_path_factory.mktemp("cuda_graphs")
+    for backend, extra in (("onnxruntime", {}), ("tensorrt", {"onnx_only": True})):
+        build(BuildOptions(checkpoint=checkpoint, output=work / backend, mtp=3, backend=backend, cuda_graphs=True,
+                           progress=False, **extra))
+    return {"plain": plain, "onnxruntime": work / "onnxruntime", "tensorrt": work / "tensorrt"}
+
+
+def graph(engine: Path, name: str) -> onnx.ModelProto:
+    return onnx.load(str(engine / f"{name}.onnx"), load_external_data=False)
+
+
+# --------------------------------------------------------------------------- 1. what the build writes
+@pytest.mark.parametrize("backend", ["onnxruntime", "tensorrt"])
+def test_the_graphs_hold_no_control_flow_and_engine_json_names_the_recorded_calls(engines, backend):
+    assert control_flow(graph(engines["plain"], "target")) == {"Loop"}            # what the flag removes
+    assert control_flow(graph(engines["plain"], "draft")) == {"If", "Loop"}
+    for name in ("target", "draft"):
+        assert control_flow(graph(engines[backend], name)) == set()
+    compiled = EngineManifest.read(engines[backend]).compiled
+    assert compiled.cuda_graphs == CAPTURED_CALLS
+    assert [p.name for p in compiled.profiles["target"]] == ["prefill", "verify"]
+    assert [p.name for p in compiled.profiles["draft"]] == ["extend", "cycle"]
+    assert EngineManifest.read(engines["plain"]).compiled.cuda_graphs == ()
+
+
+def test_migraphx_refuses_the_flag_in_one_line(tiny_engine, tmp_path):
+    with pytest.raises(BuildError, match=r"^--cuda-graphs applies to --backend onnxruntime or tensorrt[^\n]*$"):
+        build(BuildOptions(checkpoint=tiny_engine("mixed")[0], output=tmp_path / "out", backend="migraphx",
+                           cuda_graphs=True, progress=False))
+    assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------- 2. the recorded path
+def counts(metrics: dict) -> dict:
+    """A request's metrics but its timings: drafted, accepted, per position, verify steps."""
+    return {k: v for k, v in metrics.items() if not any(t in k for t in ("seconds", "time", "per_second"))}
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(max_new_tokens=24),
+                                      SamplingParams(max_new_tokens=24, temperature=1.0, seed=3),
+                                      SamplingParams(max_new_tokens=24, temperature=0.8, top_k=20, top_p=0.9,
+                                                     seed=5)], ids=["greedy", "sampled", "filtered"])
+def test_recorded_calls_give_the_plain_engines_tokens_and_acceptance(engines, sampling):
+    plain = Generator.from_engine_dir(engines["plain"]).generate(PROMPTS, sampling)
+    generator = Generator.from_engine_dir(engines["onnxruntime"], cuda_graphs=True)
+    recorded = generator.generate(PROMPTS, sampling)
+    for a, b in zip(plain, recorded):
+        assert a.token_ids == b.token_ids
+        assert counts(a.metrics) == counts(b.metrics)    # acceptance step by step, per position
+    scheduler = generator.scheduler
+    target = scheduler.target_session._captured.recorded()
+    draft = scheduler.draft_session._captured.recorded()
+    assert target and all(name.startswith("verify.b") for name in target)     # the per-token calls ran recorded
+    assert draft and all(name.startswith("cycle.b") for name in draft)
+
+
+def test_a_bucket_whose_pools_moved_is_bound_again(engines):
+    """One verify call's feeds, run again on copies of its pools: bound to the copies (a new recording), so the
+    results are the same, and follow the copies when those change (an old binding would read the old pools)."""
+    generator = Generator.from_engine_dir(engines["onnxruntime"], cuda_graphs=True)
+    session = generator.scheduler.target_session
+    calls = []
+    run = session.run
+    session.run = lambda feeds: calls.append(dict(feeds)) or run(feeds)
+    generator.generate(PROMPTS[0], SamplingParams(max_new_tokens=6))
+    feeds = calls[-1]                                       # the last verify: it reads the prompt's cache rows
+    assert feeds["input_ids"].shape[1] == 4 and feeds["positions"].min() > 0
+    first, recordings = run(feeds), session._captured.recordings
+    moved = {name: value.clone() if isinstance(value, torch.Tensor) else value for name, value in feeds.items()}
+    again = run(moved)
+    assert session._captured.recordings == recordings + 1
+    np.testing.assert_array_equal(again["logits"], first["logits"])
+    for name, value in moved.items():
+        if name.startswith("pool") and value.dtype.is_floating_point:
+            value.zero_()
+    assert not np.array_equal(run(moved)["logits"], first["logits"])
+    assert session._captured.recordings == recordings + 1
+
+
+# --------------------------------------------------------------------------- 3. untrusted engine.json
+def test_recorded_profiles_the_engine_lacks_are_refused_in_one_line(engines, tmp_path):
+    copy = Path(shutil.copytree(engines["onnxruntime"], tmp_path / "engine", symlinks=True))
+    data = json.loads((copy / "engine.json").read_text())
+    data["build"]["compile"]["cuda_graphs"] = ["verify", "secret"]
+    (copy / "engine.json").write_text(json.dumps(data))
+    with pytest.raises(EngineFormatError, match=r"'build.compile.cuda_graphs'[^\n]*must name profiles"):
+        EngineManifest.read(copy)
+
+
+def test_recorded_calls_need_an_engine_built_for_them(engines):
+    with pytest.raises(EngineFormatError, match=r"built without --cuda-graphs[^\n]*$"):
+        open_session(engines["plain"], EngineManifest.read(engines["plain"]), "target", cuda_graphs=True)

@@ -188,9 +188,12 @@ def exported_graph(cfg: V4Config, stage: Stage | None, options: BuildOptions) ->
 def add_functions(proto: onnx.ModelProto, sinkhorn_rounds: int | None = None) -> None:
     """The v4 ops' functions and the opsets the graph imports (`sinkhorn_rounds`: the Sinkhorn's rounds written
     out, for CUDA graphs; every Sinkhorn node of the graph then has that many)."""
-    if sinkhorn_rounds is not None:
-        assert all(a.i == sinkhorn_rounds for n in proto.graph.node if n.op_type == SINKHORN
-                   for a in n.attribute if a.name == "rounds"), "one model, one Sinkhorn round count"
+    if sinkhorn_rounds is not None:         # the unrolled function holds one count: every node must ask for it
+        counts = {a.i for body in (proto.graph, *proto.functions) for n in all_nodes(body) if n.op_type == SINKHORN
+                  for a in n.attribute if a.name == "rounds"}
+        if counts - {sinkhorn_rounds}:
+            raise BuildError(f"--cuda-graphs: Sinkhorn nodes of {sorted(counts)} rounds, the config says "
+                             f"{sinkhorn_rounds}")
     proto.functions.extend(onnx_functions(sinkhorn_rounds))
     del proto.opset_import[:]
     proto.opset_import.extend([onnx.helper.make_opsetid("", OPSET), onnx.helper.make_opsetid(DOMAIN, 1)])

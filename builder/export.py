@@ -107,7 +107,8 @@ def export_graph(cfg: V4Config, draft: bool, dtype: torch.dtype = torch.float32,
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)  # torchvision absent
     with warnings.catch_warnings():     # the exporter's own deprecation chatter; our checks follow the export
         warnings.simplefilter("ignore")
-        program = torch.onnx.export(_Graph(model, draft, stage, conditional).eval(), examples, dynamo=True, opset_version=OPSET,
+        graph = _Graph(model, draft, stage, conditional).eval()
+        program = torch.onnx.export(graph, examples, dynamo=True, opset_version=OPSET,
                                     optimize=False, input_names=[s.name for s in inputs],
                                     output_names=[s.name for s in outputs], dynamic_shapes=(dynamic,), verbose=False)
     return program.model

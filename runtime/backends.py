@@ -35,6 +35,7 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .buckets import Bucket, graph_buckets
+from .cuda_graphs import captured_calls
 from .engine_folder import EngineFormatError
 from .profiles import Profile
 from .untrusted import JsonFields
@@ -91,19 +92,21 @@ def _profiles(fields: JsonFields, graphs: Mapping[str, GraphEntry]) -> dict[str,
     """`profiles`: every graph's optimization profiles, in the engine's order, each of the graph's own inputs."""
     def read(entries: JsonFields, graph: str) -> tuple[Profile, ...]:
         inputs = {spec.name for spec in graphs[graph].inputs}
-        return tuple(Profile.read(profile, inputs) for profile in _objects(entries, graph))
+        profiles = tuple(Profile.read(profile, inputs) for profile in _objects(entries, graph))
+        if len({profile.name for profile in profiles}) != len(profiles):      # they name buckets and programs
+            entries.fail(graph, "must name each profile once", [profile.name for profile in profiles])
+        return profiles
 
     return _per_graph(fields, "profiles", graphs, read)
 
 
 def _cuda_graphs(fields: JsonFields, profiles: Mapping[str, tuple[Profile, ...]] | None) -> tuple[str, ...]:
     """`cuda_graphs`: the names of the profiles whose calls run as CUDA graphs (runtime/cuda_graphs.py), each one
-    some graph has; () when absent (an engine built without --cuda-graphs)."""
+    of the per-token calls the engine's graphs have; () when absent (an engine built without --cuda-graphs)."""
     names = tuple(fields.items("cuda_graphs", str, []))
-    known = {profile.name for graph_profiles in (profiles or {}).values() for profile in graph_profiles}
-    if any(name not in known for name in names) or len(set(names)) != len(names):
-        fields.fail("cuda_graphs", f"must name profiles of the engine's graphs, once each ({sorted(known)})",
-                    list(names))
+    allowed = captured_calls(profiles or {})
+    if any(name not in allowed for name in names) or len(set(names)) != len(names):
+        fields.fail("cuda_graphs", f"must name profiles among {list(allowed)}, once each", list(names))
     return names
 
 

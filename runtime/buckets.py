@@ -1,4 +1,5 @@
-"""Static shapes: the buckets a MIGraphX engine holds one program each for, and a call padded up to one.
+"""Static shapes: the buckets a MIGraphX engine holds one program each for (and CUDA graphs are recorded for,
+runtime/cuda_graphs.py, their pools left at any size), and a call padded up to one.
 
 MIGraphX's releases (up to ROCm 7.2) compile a graph whose inputs have more than one dynamic dimension only
 behind a development option, and run a program whose outputs live in the caller's memory (offload_copy off: what

@@ -119,6 +119,13 @@ def test_a_profile_of_an_input_the_graph_lacks_is_refused(engines, name, tmp_pat
     assert "'build.compile.profiles.draft[1].shapes.secret'" in message and "input of the graph" in message
 
 
+def test_a_profile_named_twice_is_refused(engines, tmp_path):
+    def plant(record: dict) -> None:
+        record["profiles"]["draft"][1]["name"] = record["profiles"]["draft"][0]["name"]
+
+    assert "must name each profile once" in refused(damaged(engines("tensorrt"), tmp_path, plant))
+
+
 def test_a_profile_shape_of_another_rank_is_refused(engines, tmp_path):
     def plant(record: dict) -> None:
         record["profiles"]["target"][0]["shapes"]["input_ids"][2] = [8]

@@ -2,13 +2,16 @@
 
 1. The engine's graphs hold no control flow (no Loop, If or Scan, functions included), which a CUDA graph cannot
    hold, while a plain engine's do (Sinkhorn's Loop, the draft's conditionals); engine.json names the verify and
-   draft-cycle profiles as recorded, for ONNX Runtime and TensorRT; MIGraphX refuses the flag in one line.
+   draft-cycle profiles as recorded, for ONNX Runtime and TensorRT (the verify only without MTP); MIGraphX refuses
+   the flag in one line.
 2. On the CPU provider the recorded path runs without recording (`cuda_graphs=True`): every verify and draft cycle
    padded into buffers of a bucket's static shapes, allocated once and bound once, as ONNX Runtime's CUDA
    provider replays them. Its tokens and acceptance equal the plain engine's, greedy and sampled, on a mixed
-   batch; a bucket whose pools moved is bound again to the new ones (an old binding would read the old pools).
-3. engine.json is untrusted: recorded profiles the engine lacks are refused in one line, and so is asking an
-   engine built without the flag for recorded calls.
+   batch; a bucket whose pools moved is bound again to the new ones (an old binding would read the old pools);
+   what a call returned survives the next replay.
+3. engine.json is untrusted: recorded profiles other than the per-token calls (unknown, a prefill, twice) are
+   refused in one line; a graph left without a recorded profile runs unrecorded; asking an engine built without
+   the flag for recorded calls is refused in one line.
 """
 from __future__ import annotations
 
@@ -43,7 +46,8 @@ def engines(tiny_engine, tmp_path_factory) -> dict[str, Path]:
     for backend, extra in (("onnxruntime", {}), ("tensorrt", {"onnx_only": True})):
         build(BuildOptions(checkpoint=checkpoint, output=work / backend, mtp=3, backend=backend, cuda_graphs=True,
                            progress=False, **extra))
-    return {"plain": plain, "onnxruntime": work / "onnxruntime", "tensorrt": work / "tensorrt"}
+    return {"plain": plain, "onnxruntime": work / "onnxruntime", "tensorrt": work / "tensorrt",
+            "checkpoint": checkpoint}
 
 
 def graph(engine: Path, name: str) -> onnx.ModelProto:
@@ -62,6 +66,16 @@ def test_the_graphs_hold_no_control_flow_and_engine_json_names_the_recorded_call
     assert [p.name for p in compiled.profiles["target"]] == ["prefill", "verify"]
     assert [p.name for p in compiled.profiles["draft"]] == ["extend", "cycle"]
     assert EngineManifest.read(engines["plain"]).compiled.cuda_graphs == ()
+
+
+def test_an_engine_without_mtp_records_its_verify_only(engines, tmp_path):
+    build(BuildOptions(checkpoint=engines["checkpoint"], output=tmp_path / "mtp0", mtp=0, cuda_graphs=True,
+                       progress=False))
+    assert EngineManifest.read(tmp_path / "mtp0").compiled.cuda_graphs == ("verify",)
+    ids = Generator.from_engine_dir(tmp_path / "mtp0", cuda_graphs=True).generate(PROMPTS[1],
+                                                                                  SamplingParams(max_new_tokens=6))
+    plain = Generator.from_engine_dir(engines["plain"], mtp=0).generate(PROMPTS[1], SamplingParams(max_new_tokens=6))
+    assert ids[0].token_ids == plain[0].token_ids
 
 
 def test_migraphx_refuses_the_flag_in_one_line(tiny_engine, tmp_path):
@@ -118,14 +132,44 @@ def test_a_bucket_whose_pools_moved_is_bound_again(engines):
     assert session._captured.recordings == recordings + 1
 
 
+def test_outputs_already_returned_survive_the_next_call(engines):
+    """The next replay writes the same buffers: what a call returned was copied out of them."""
+    generator = Generator.from_engine_dir(engines["onnxruntime"], cuda_graphs=True)
+    session = generator.scheduler.draft_session
+    calls = []
+    run = session.run
+    session.run = lambda feeds: calls.append(dict(feeds)) or run(feeds)
+    generator.generate(PROMPTS[0], SamplingParams(max_new_tokens=8, temperature=1.0, seed=1))
+    first = run(calls[-1])
+    kept = {name: np.array(value) for name, value in first.items() if isinstance(value, np.ndarray)}
+    run({**calls[-1], "uniforms": np.full_like(calls[-1]["uniforms"], 0.999)})     # other drafts drawn
+    for name, value in kept.items():
+        np.testing.assert_array_equal(first[name], value)
+
+
 # --------------------------------------------------------------------------- 3. untrusted engine.json
-def test_recorded_profiles_the_engine_lacks_are_refused_in_one_line(engines, tmp_path):
-    copy = Path(shutil.copytree(engines["onnxruntime"], tmp_path / "engine", symlinks=True))
+def edited(engine: Path, tmp_path: Path, cuda_graphs: list[str]) -> Path:
+    copy = Path(shutil.copytree(engine, tmp_path / "engine", symlinks=True))
     data = json.loads((copy / "engine.json").read_text())
-    data["build"]["compile"]["cuda_graphs"] = ["verify", "secret"]
+    data["build"]["compile"]["cuda_graphs"] = cuda_graphs
     (copy / "engine.json").write_text(json.dumps(data))
-    with pytest.raises(EngineFormatError, match=r"'build.compile.cuda_graphs'[^\n]*must name profiles"):
-        EngineManifest.read(copy)
+    return copy
+
+
+@pytest.mark.parametrize("names", [["verify", "secret"], ["prefill"], ["verify", "verify"]])
+def test_recorded_profiles_other_than_the_per_token_calls_are_refused_in_one_line(engines, tmp_path, names):
+    with pytest.raises(EngineFormatError, match=r"'build.compile.cuda_graphs'[^\n]*must name profiles among"):
+        EngineManifest.read(edited(engines["onnxruntime"], tmp_path, names))
+
+
+def test_a_graph_without_a_recorded_profile_runs_unrecorded(engines, tmp_path):
+    engine = edited(engines["onnxruntime"], tmp_path, ["cycle"])
+    generator = Generator.from_engine_dir(engine, cuda_graphs=True)
+    plain = Generator.from_engine_dir(engines["plain"]).generate(PROMPTS, SamplingParams(max_new_tokens=8))
+    assert [r.token_ids for r in generator.generate(PROMPTS, SamplingParams(max_new_tokens=8))] == \
+        [r.token_ids for r in plain]
+    assert generator.scheduler.target_session._captured is None
+    assert generator.scheduler.draft_session._captured.recorded()
 
 
 def test_recorded_calls_need_an_engine_built_for_them(engines):

@@ -21,7 +21,7 @@ from onnx import helper, numpy_helper
 from v4engine.plugins import DOMAIN
 from v4engine.plugins.moe import NAME as ROUTED_EXPERTS
 from v4engine.runtime.backends import OnnxRuntimeCompiled
-from v4engine.runtime.cuda_graphs import CAPTURED_CALLS
+from v4engine.runtime.cuda_graphs import captured_calls
 from v4engine.runtime.errors import V4EngineError
 from v4engine.runtime.engine import EngineManifest
 from v4engine.runtime.sessions import open_session
@@ -57,8 +57,8 @@ def compile_engine(engine_dir: Path, manifest: EngineManifest, options: BuildOpt
     for graph in manifest.graphs:
         open_session(engine_dir, manifest, graph, providers=list(providers), load_check=True)
     if options.cuda_graphs:         # the calls recorded as CUDA graphs, by the buckets of their profiles
-        return OnnxRuntimeCompiled(ort.__version__, providers, profiles=engine_profiles(manifest),
-                                   cuda_graphs=CAPTURED_CALLS)
+        profiles = engine_profiles(manifest)
+        return OnnxRuntimeCompiled(ort.__version__, providers, profiles=profiles, cuda_graphs=captured_calls(profiles))
     return OnnxRuntimeCompiled(ort.__version__, providers)
 
 

@@ -33,7 +33,7 @@ from v4engine.plugins.tensorrt import MIN_TENSORRT, TensorRTNotInstalled, regist
 from v4engine.runtime.backends import BuiltPlan, TensorRTCompiled
 from v4engine.runtime.engine import EngineManifest
 from v4engine.runtime.errors import V4EngineError
-from v4engine.runtime.cuda_graphs import CAPTURED_CALLS
+from v4engine.runtime.cuda_graphs import captured_calls
 from v4engine.runtime.profiles import Profile
 
 from ..weights import use_stored_experts
@@ -155,7 +155,7 @@ def compile_engine(engine_dir: Path, manifest: EngineManifest, options: BuildOpt
         version, timing_cache = trt.__version__, str(options.timing_cache) if options.timing_cache else TIMING_CACHE
     return TensorRTCompiled(profiles=graph_profiles, optimization_level=level, plugin_nodes=prepared, plans=plans,
                             tensorrt=version, timing_cache=timing_cache,
-                            cuda_graphs=CAPTURED_CALLS if options.cuda_graphs else ())
+                            cuda_graphs=captured_calls(graph_profiles) if options.cuda_graphs else ())
 
 
 __all__ = ["preflight", "prepare_graph", "mark_aot", "check_installed", "build_plan", "compile_engine",

@@ -28,15 +28,19 @@ it is tested without a GPU).
 
 CUDA graphs. An engine built with --cuda-graphs runs its verify and draft-cycle calls on the CUDA provider as
 recorded CUDA graphs (runtime/cuda_graphs.py): the provider is made with `enable_cuda_graph`, each bucket of static
-shapes gets an IOBinding over buffers allocated once and a graph id of its own (the run option `gpu_graph_id`),
-which ONNX Runtime records on the binding's first run and replays after; every other call runs with graph id -1
-(not recorded). `cuda_graphs=True` takes the same static-buffer path on the CPU provider (no graph is recorded
-there): how it is tested without a GPU.
+shapes gets an IOBinding over buffers allocated once and a graph id of its own (the run option `gpu_graph_id`,
+onnxruntime 1.18 on), which ONNX Runtime records after a warm-up run and replays after that; every other call
+runs with graph id -1 (not recorded). ONNX Runtime runs on a stream of its own, so a replay first waits for
+torch's, on which the inputs were copied. ONNX Runtime records only a session whose every compute node runs on
+CUDA: one it refuses is loaded without recording, with a warning. `cuda_graphs=True` takes the same
+static-buffer path on the CPU provider (no graph is recorded there; the pools become torch tensors): how it is
+tested without a GPU.
 """
 from __future__ import annotations
 
 import ctypes
 import os
+import warnings
 from pathlib import Path
 
 from typing import Any
@@ -134,9 +138,7 @@ class OnnxRuntimeSession(EngineSession):
             raise EngineFormatError(f"{folder.directory}: built without --cuda-graphs, so its graphs cannot be "
                                     "recorded as CUDA graphs; rebuild with v4build --cuda-graphs")
         cuda_graphs = bool(captured) and on_cuda if cuda_graphs is None else cuda_graphs
-        self._recording = cuda_graphs and on_cuda       # ONNX Runtime records graphs (else: only static buffers)
-        if self._recording:
-            providers = _with_option(providers or [], {"CUDAExecutionProvider"}, "enable_cuda_graph", "1")
+        self._recording = cuda_graphs and on_cuda and _records_graph_ids()   # else: only the static buffers
         weights = folder.map_weights(manifest.weights)
         model = read_graph(folder, entry, weights)
         options = ort.SessionOptions()
@@ -158,7 +160,8 @@ class OnnxRuntimeSession(EngineSession):
                 list(weights.maps), list(weights.maps.values()), [m.nbytes for m in weights.maps.values()])
         os.environ[QMOE_GEMM] = "fp32"
         try:
-            self._session = ort.InferenceSession(model, options, providers=providers or ["CPUExecutionProvider"])
+            self._session = self._load(model, options, providers or ["CPUExecutionProvider"],
+                                       folder.directory / entry.file)
         except Exception as e:      # noqa: BLE001 - ONNX Runtime's errors share no base class below Exception
             raise EngineFormatError(f"{folder.directory / entry.file}: ONNX Runtime cannot load it "
                                     f"({first_line(e)})") from None
@@ -187,11 +190,26 @@ class OnnxRuntimeSession(EngineSession):
         if self._recording:
             self._eager.add_run_config_entry(GRAPH_ID, "-1")
         self._captured: CapturedCalls | None = None
-        if cuda_graphs:
-            buckets = captured_buckets(compiled.profiles[graph], captured, self.inputs)
+        buckets = captured_buckets(compiled.profiles[graph], captured, self.inputs) if cuda_graphs else []
+        if buckets:                             # (a graph without a recorded profile runs as any other)
             self._captured = CapturedCalls(self._torch, self.pool_device, buckets, self.inputs, self.outputs,
                                            manifest.layout_of(graph), self._capture, self.on_device)
-            self.pool_shape = self._captured.pool_shape
+
+    def _load(self, model: bytes, options: ort.SessionOptions, providers: list[Provider], graph: Path
+              ) -> ort.InferenceSession:
+        """The session; with the CUDA provider recording graphs when asked, which ONNX Runtime allows only if every
+        compute node runs on CUDA: if not, the session is made without, the calls then run unrecorded (a warning
+        says so)."""
+        if not self._recording:
+            return ort.InferenceSession(model, options, providers=providers)
+        try:
+            return ort.InferenceSession(model, options, providers=_with_option(
+                providers, {"CUDAExecutionProvider"}, "enable_cuda_graph", "1"))
+        except Exception as e:      # noqa: BLE001 - ONNX Runtime's errors share no base class below Exception
+            warnings.warn(f"{graph}: ONNX Runtime's CUDA provider cannot record it as CUDA graphs "
+                          f"({first_line(e)}); its calls run unrecorded")
+            self._recording = False
+            return ort.InferenceSession(model, options, providers=providers)
 
     def run(self, feeds: dict[str, Any]) -> dict[str, Any]:
         bucket = self._captured and self._captured.bucket_for(feeds)
@@ -234,7 +252,7 @@ class OnnxRuntimeSession(EngineSession):
 
     def _capture(self, bucket: Bucket, number: int, inputs: dict[str, Any], outputs: dict[str, Any]) -> Any:
         """A bucket's call bound once to its static buffers; on the CUDA provider under graph id `number`, which
-        ONNX Runtime records on the first run and replays on every later one."""
+        ONNX Runtime records after a warm-up run and replays after that."""
         binding = self._session.io_binding()
         for name, tensor in inputs.items():
             binding.bind_ortvalue_input(name, ort.OrtValue.from_dlpack(tensor))
@@ -245,10 +263,23 @@ class OnnxRuntimeSession(EngineSession):
             options.add_run_config_entry(GRAPH_ID, str(number))
 
         def replay() -> None:
+            if self._recording:         # the inputs were copied on torch's stream, which ONNX Runtime's does not
+                self._torch.cuda.current_stream(self.pool_device).synchronize()         # wait for
             self._session.run_with_iobinding(binding, options)
             binding.synchronize_outputs()
 
         return replay
+
+
+def _records_graph_ids() -> bool:
+    """Whether this ONNX Runtime records several CUDA graphs per session, one per `gpu_graph_id` (1.18 on;
+    before, one graph would be replayed for every bucket)."""
+    major, minor = (int(part) for part in ort.__version__.split(".")[:2])
+    if (major, minor) >= (1, 18):
+        return True
+    warnings.warn(f"onnxruntime {ort.__version__} records one CUDA graph per session; the calls run unrecorded "
+                  "(1.18 or later records one per bucket)")
+    return False
 
 
 def _host_value(array: np.ndarray) -> ort.OrtValue:

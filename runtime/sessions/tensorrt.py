@@ -18,12 +18,16 @@ draft-cycle profiles in engine.json (`cuda_graphs`): those calls are padded to b
 bucket's enqueue is recorded once by torch.cuda.graph and replayed after (runtime/cuda_graphs.py), as TensorRT's
 guide describes: an execution context of its own per recorded bucket (its profile, shapes and addresses set once;
 the contexts share one scratch allocation, ExecutionContextAllocationStrategy.USER_MANAGED, since one stream runs
-them one at a time), one enqueue before recording so that TensorRT's deferred shape work is done outside the
-graph. Prefill chunks run as before.
+them one at a time; the graphs share one memory pool for the same reason), outputs checked against the shapes
+TensorRT infers, one enqueue on the call's own values before recording so that TensorRT's deferred shape work is
+done outside the graph, recorded in thread-local mode (a pipeline's other stages may run meanwhile). Prefill
+chunks longer than k + 1 run as before. Several contexts select the same profile, which TensorRT allows since 8.x
+(not run here).
 Written to TensorRT's documented Python API (10.x/11.x); not yet run against TensorRT (README, backends).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -91,13 +95,12 @@ class TensorRTSession(EngineSession):
         self._active: int | None = None
         entry = manifest.graphs[graph]
         self.inputs, self.outputs = entry.inputs, entry.outputs
-        self._trt, self._recorded, self._scratch = trt, [], None     # the recorded calls' contexts, their memory
+        self._trt, self._plan, self._scratch = trt, engine_dir / plan, None
         self._captured: CapturedCalls | None = None
-        if compiled.cuda_graphs:
-            buckets = captured_buckets(self._profiles, compiled.cuda_graphs, self.inputs)
+        buckets = captured_buckets(self._profiles, compiled.cuda_graphs, self.inputs)
+        if buckets:                             # (a graph without a recorded profile runs as before)
             self._captured = CapturedCalls(torch, self._device, buckets, self.inputs, self.outputs,
                                            manifest.layout_of(graph), self._capture, self.on_device)
-            self.pool_shape = self._captured.pool_shape
 
     def _buffer(self, shape: tuple[int, ...], dtype: str) -> Any:
         """A device tensor of `shape`; an empty one still gets one element, so its address is never null."""
@@ -144,26 +147,43 @@ class TensorRTSession(EngineSession):
     def _capture(self, bucket: Bucket, number: int, inputs: dict[str, Any], outputs: dict[str, Any]) -> Any:
         """Record one bucket's enqueue on its static buffers (the module doc says how); returns its replay."""
         trt, torch, stream = self._trt, self._torch, self._stream.cuda_stream
-        if self._scratch is None:
-            size = getattr(self._engine, "device_memory_size_v2", None)      # TensorRT 10.1+; before, the old one
-            size = self._engine.device_memory_size if size is None else size
-            self._scratch = torch.empty(max(1, size), dtype=torch.uint8, device=self._device)
+        if self._scratch is None:       # shared by every recorded context and graph: they run one at a time
+            self._scratch = torch.empty(max(1, self._engine.device_memory_size_v2), dtype=torch.uint8,
+                                        device=self._device)
+            self._graph_pool = torch.cuda.graph_pool_handle()
         context = self._engine.create_execution_context(trt.ExecutionContextAllocationStrategy.USER_MANAGED)
         context.set_device_memory(self._scratch.data_ptr(), self._scratch.numel())
         profile = bucket.name.split(".", 1)[0]           # buckets are named {profile}.b{batch}...
-        context.set_optimization_profile_async([p.name for p in self._profiles].index(profile), stream)
+        if not context.set_optimization_profile_async([p.name for p in self._profiles].index(profile), stream):
+            raise V4EngineError(f"TensorRT refused profile {profile} for bucket {bucket.name}")
         for name, tensor in inputs.items():
             if not context.set_input_shape(name, tuple(tensor.shape)):
                 raise V4EngineError(f"TensorRT refused shape {tuple(tensor.shape)} for input '{name}' of bucket "
                                     f"{bucket.name}")
+        for name, tensor in outputs.items():             # what TensorRT writes must fit what was allocated
+            if tuple(context.get_tensor_shape(name)) != tuple(tensor.shape):
+                raise EngineFormatError(f"{self._plan}: output '{name}' of bucket {bucket.name} has shape "
+                                        f"{tuple(context.get_tensor_shape(name))} in this engine, not "
+                                        f"{tuple(tensor.shape)} as engine.json says; refused")
         for name, tensor in (inputs | outputs).items():
             context.set_tensor_address(name, tensor.data_ptr())
         if not context.execute_async_v3(stream):         # once outside: TensorRT's deferred work is not recorded
             raise V4EngineError(f"TensorRT failed to run bucket {bucket.name} before recording it")
         self._stream.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=self._stream):
+        with torch.cuda.graph(graph, pool=self._graph_pool, stream=self._stream, capture_error_mode="thread_local"):
             if not context.execute_async_v3(stream):
                 raise V4EngineError(f"TensorRT failed to record bucket {bucket.name} as a CUDA graph")
-        self._recorded.append((context, graph))
-        return graph.replay
+        return RecordedEnqueue(context, graph)
+
+
+@dataclass(frozen=True)
+class RecordedEnqueue:
+    """A recorded enqueue: its graph, and the execution context whose addresses the graph holds (kept alive with
+    it, and dropped with it when a bucket is recorded again)."""
+
+    context: Any
+    graph: Any
+
+    def __call__(self) -> None:
+        self.graph.replay()

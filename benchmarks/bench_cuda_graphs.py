@@ -6,16 +6,23 @@ Three systems on the trained tiny V4 (examples/tiny-v4), interleaved per held-ou
   - graphs, static buffers: the same with `cuda_graphs=True`, every verify and draft cycle padded into the
     buffers of its bucket and run through its binding, as the CUDA provider replays them (nothing recorded here).
 Reports tokens/s, the median verify and draft-cycle call, and that every system generated the same tokens.
+A checkpoint without a tokenizer (the slice: `v4build make-tiny --config slice`) gets random prompts: its weights
+are random, so only the call costs mean anything there.
 
     .venv/bin/python -m benchmarks.bench_cuda_graphs [--work /tmp/bench-cuda-graphs] [--temperature 1]
+    .venv/bin/python -m benchmarks.bench_cuda_graphs --checkpoint /work/scratch/slice --work /tmp/bench-cg-slice \
+        --prompts 4 --prompt-tokens 200 --new-tokens 32
 """
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
+import numpy as np
+
 from benchmarks import built_engine
 from benchmarks.bench_generate import CallClock, Tally, held_out_prompts, prompt_arguments, run_v4engine
+from v4engine.runtime.engine import EngineManifest
 from v4engine.runtime.generator import Generator
 
 SYSTEMS = ("plain", "graphs, eager", "graphs, static buffers")
@@ -29,8 +36,12 @@ def main() -> None:
     args = p.parse_args()
     plain = built_engine(args.checkpoint, args.work)
     graphs = built_engine(args.checkpoint, args.work, 3, "--cuda-graphs", name="engine-cuda-graphs")
-    prompts = held_out_prompts(args.checkpoint / "tokenizer.json", args.prompts, args.prompt_tokens,
-                               args.new_tokens, seed=0)
+    if (args.checkpoint / "tokenizer.json").is_file():
+        prompts = held_out_prompts(args.checkpoint / "tokenizer.json", args.prompts, args.prompt_tokens,
+                                   args.new_tokens, seed=0)
+    else:
+        vocab = EngineManifest.read(plain).model.vocab_size
+        prompts = np.random.default_rng(0).integers(0, vocab, (args.prompts, args.prompt_tokens)).tolist()
     generators = {SYSTEMS[0]: Generator.from_engine_dir(plain, share_threads=True),
                   SYSTEMS[1]: Generator.from_engine_dir(graphs, share_threads=True),
                   SYSTEMS[2]: Generator.from_engine_dir(graphs, share_threads=True, cuda_graphs=True)}

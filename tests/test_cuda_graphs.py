@@ -103,8 +103,8 @@ def test_recorded_calls_give_the_plain_engines_tokens_and_acceptance(engines, sa
         assert a.token_ids == b.token_ids
         assert counts(a.metrics) == counts(b.metrics)    # acceptance step by step, per position
     scheduler = generator.scheduler
-    target = scheduler.target_session._captured.recorded()
-    draft = scheduler.draft_session._captured.recorded()
+    target = scheduler.target_session._captured.bound()
+    draft = scheduler.draft_session._captured.bound()
     assert target and all(name.startswith("verify.b") for name in target)     # the per-token calls ran recorded
     assert draft and all(name.startswith("cycle.b") for name in draft)
 
@@ -120,16 +120,16 @@ def test_a_bucket_whose_pools_moved_is_bound_again(engines):
     generator.generate(PROMPTS[0], SamplingParams(max_new_tokens=6))
     feeds = calls[-1]                                       # the last verify: it reads the prompt's cache rows
     assert feeds["input_ids"].shape[1] == 4 and feeds["positions"].min() > 0
-    first, recordings = run(feeds), session._captured.recordings
+    first, recordings = run(feeds), session._captured.bindings
     moved = {name: value.clone() if isinstance(value, torch.Tensor) else value for name, value in feeds.items()}
     again = run(moved)
-    assert session._captured.recordings == recordings + 1
+    assert session._captured.bindings == recordings + 1
     np.testing.assert_array_equal(again["logits"], first["logits"])
     for name, value in moved.items():
         if name.startswith("pool") and value.dtype.is_floating_point:
             value.zero_()
     assert not np.array_equal(run(moved)["logits"], first["logits"])
-    assert session._captured.recordings == recordings + 1
+    assert session._captured.bindings == recordings + 1
 
 
 def test_outputs_already_returned_survive_the_next_call(engines):
@@ -169,7 +169,7 @@ def test_a_graph_without_a_recorded_profile_runs_unrecorded(engines, tmp_path):
     assert [r.token_ids for r in generator.generate(PROMPTS, SamplingParams(max_new_tokens=8))] == \
         [r.token_ids for r in plain]
     assert generator.scheduler.target_session._captured is None
-    assert generator.scheduler.draft_session._captured.recorded()
+    assert generator.scheduler.draft_session._captured.bound()
 
 
 def test_recorded_calls_need_an_engine_built_for_them(engines):

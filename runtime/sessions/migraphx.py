@@ -16,9 +16,11 @@ by address (`argument_from_pointer`), never copied by MIGraphX:
   per bucket); bf16 ones as float32 (`parameter_type`);
 - the cache pools, torch tensors on the GPU that the scheduler allocates at the buckets' pool sizes
   (`pool_shape`) and the pool writes in place (runtime/pool_arrays.py);
-- the call's small inputs, copied to the GPU and padded there; the outputs, allocated here at the bucket's shapes
-  as the program's output parameters (`main:#output_N`) and cut back to the call's: the new rows stay on the GPU,
-  the rest come to the host.
+- the call's small inputs, copied to the GPU and padded there into buffers of the bucket's shape allocated once;
+  the outputs, buffers of the bucket's shapes given as the program's output parameters (`main:#output_N`), cut
+  back to the call's and copied out: the new rows stay on the GPU, the rest come to the host. Those buffers and a
+  program's arguments over them are made on a bucket's first call (runtime/buckets.py `StaticCalls`, which CUDA
+  graphs run through too).
 MIGraphX's Python bindings read every argument back as a Python buffer, which has no bf16 (nor fp8): a bf16
 engine runs only through onnxruntime-migraphx. Programs are loaded on first use (each holds scratch memory on
 the GPU), and checked then against the shapes and types this session passes.
@@ -37,11 +39,11 @@ from typing import Any
 import numpy as np
 
 from ..backends import MIGraphXCompiled
-from ..buckets import call_dims, choose_bucket, cut, padded
+from ..buckets import Bucket, StaticCalls, call_dims, choose_bucket
 from ..engine import EngineManifest
 from ..engine_folder import EngineFolder, EngineFormatError, MappedWeights, read_graph
 from ..errors import V4EngineError
-from ..pool_arrays import to_numpy, to_torch
+from ..pool_arrays import to_torch
 from ..untrusted import shown
 from . import EngineRunError, EngineSession, checked_outputs
 
@@ -146,6 +148,8 @@ class MIGraphXSession(EngineSession):
         self._weights = self._resident_weights(folder, manifest.graphs[graph], weights)
         weights.release_pages()
         self._weight_arguments = {name: self._argument(tensor) for name, tensor in self._weights.items()}
+        self._calls = StaticCalls(self._torch, self._device, self._buckets, self.inputs, self.outputs, self._layout,
+                                  self._bind, self.on_device)
 
     def _program(self, index: int) -> tuple[Any, list[str]]:
         """Bucket `index`'s program and its output parameters, loaded on the session's GPU the first time."""
@@ -204,34 +208,28 @@ class MIGraphXSession(EngineSession):
                                      lens=list(tensor.shape))
         return self._migraphx.argument_from_pointer(shape, tensor.data_ptr())
 
+    def _bind(self, bucket: Bucket, number: int, inputs: dict[str, Any], outputs: dict[str, Any]) -> Any:
+        """Bucket `bucket`'s program over the weights and these buffers, by address; returns what runs it."""
+        program, output_parameters = self._program(self._buckets.index(bucket))
+        arguments = dict(self._weight_arguments)
+        arguments.update({name: self._argument(tensor) for name, tensor in inputs.items()})
+        arguments.update({parameter: self._argument(outputs[spec.name])
+                          for spec, parameter in zip(self.outputs, output_parameters)})
+
+        def run() -> None:
+            torch = self._torch
+            stream = torch.cuda.current_stream(self._device).cuda_stream if self._device.type == "cuda" else 0
+            try:
+                with self._on_device():
+                    program.run_async(arguments, stream, "ihipStream_t")
+            except RuntimeError as e:
+                raise EngineRunError(f"{self.graph}: MIGraphX failed on bucket {bucket.name}: "
+                                     f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+
+        return run
+
     def run(self, feeds: dict[str, Any]) -> dict[str, Any]:
         if self._onnxruntime is not None:
             return self._onnxruntime.run(feeds)
-        torch = self._torch
-        dims = call_dims(feeds, self.inputs)
-        bucket = choose_bucket(self._buckets, dims)
-        program, output_parameters = self._program(self._buckets.index(bucket))
-        arguments, held = dict(self._weight_arguments), []     # held: alive until the program has run
-        for spec in self.inputs:
-            value = feeds[spec.name]
-            tensor = to_torch(np.ascontiguousarray(value)) if isinstance(value, np.ndarray) else value
-            tensor = padded(torch, spec.name, tensor.to(self._device), spec, bucket).contiguous()
-            held.append(tensor)
-            arguments[spec.name] = self._argument(tensor)
-        more = self._layout.emitted(bucket.dims["seq"])
-        outputs = {}
-        for spec, parameter in zip(self.outputs, output_parameters):
-            outputs[spec.name] = torch.empty(bucket.shape(spec, more), dtype=getattr(torch, spec.dtype),
-                                             device=self._device)
-            arguments[parameter] = self._argument(outputs[spec.name])
-        stream = torch.cuda.current_stream(self._device).cuda_stream if self._device.type == "cuda" else 0
-        try:
-            with self._on_device():
-                program.run_async(arguments, stream, "ihipStream_t")
-        except RuntimeError as e:
-            raise EngineRunError(f"{self.graph}: MIGraphX failed on bucket {bucket.name}: "
-                                 f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
-        real = dims | self._layout.emitted(dims["seq"])
-        results = {spec.name: cut(outputs[spec.name], spec, real) for spec in self.outputs}
-        return checked_outputs(self, feeds, {name: value if self.on_device(name) else to_numpy(value)
-                                             for name, value in results.items()}, self.graph)
+        bucket = choose_bucket(self._buckets, call_dims(feeds, self.inputs))     # none: one line naming the call
+        return checked_outputs(self, feeds, self._calls.run(feeds, bucket), self.graph)

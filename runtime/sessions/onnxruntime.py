@@ -49,8 +49,8 @@ import numpy as np
 import onnxruntime as ort
 
 from ..backends import OnnxRuntimeCompiled
-from ..buckets import Bucket
-from ..cuda_graphs import CapturedCalls, captured_buckets
+from ..buckets import Bucket, StaticCalls
+from ..cuda_graphs import captured_buckets
 from ..engine import EngineManifest
 from ..engine_folder import ELEMENT_TYPES, EngineFolder, EngineFormatError, read_graph
 from ..pool_arrays import NUMPY_DTYPES, to_numpy
@@ -189,10 +189,10 @@ class OnnxRuntimeSession(EngineSession):
         self._eager = ort.RunOptions()
         if self._recording:
             self._eager.add_run_config_entry(GRAPH_ID, "-1")
-        self._captured: CapturedCalls | None = None
+        self._captured: StaticCalls | None = None
         buckets = captured_buckets(compiled.profiles[graph], captured, self.inputs) if cuda_graphs else []
         if buckets:                             # (a graph without a recorded profile runs as any other)
-            self._captured = CapturedCalls(self._torch, self.pool_device, buckets, self.inputs, self.outputs,
+            self._captured = StaticCalls(self._torch, self.pool_device, buckets, self.inputs, self.outputs,
                                            manifest.layout_of(graph), self._capture, self.on_device)
 
     def _load(self, model: bytes, options: ort.SessionOptions, providers: list[Provider], graph: Path

@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 
 from ..backends import TensorRTCompiled
-from ..buckets import Bucket
-from ..cuda_graphs import CapturedCalls, captured_buckets
+from ..buckets import Bucket, StaticCalls
+from ..cuda_graphs import captured_buckets
 from ..engine import EngineManifest
 from ..engine_folder import EngineFolder, EngineFormatError
 from ..errors import V4EngineError
@@ -96,10 +96,10 @@ class TensorRTSession(EngineSession):
         entry = manifest.graphs[graph]
         self.inputs, self.outputs = entry.inputs, entry.outputs
         self._trt, self._plan, self._scratch = trt, engine_dir / plan, None
-        self._captured: CapturedCalls | None = None
+        self._captured: StaticCalls | None = None
         buckets = captured_buckets(self._profiles, compiled.cuda_graphs, self.inputs)
         if buckets:                             # (a graph without a recorded profile runs as before)
-            self._captured = CapturedCalls(torch, self._device, buckets, self.inputs, self.outputs,
+            self._captured = StaticCalls(torch, self._device, buckets, self.inputs, self.outputs,
                                            manifest.layout_of(graph), self._capture, self.on_device)
 
     def _buffer(self, shape: tuple[int, ...], dtype: str) -> Any:

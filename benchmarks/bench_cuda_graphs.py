@@ -1,7 +1,9 @@
 """What `v4build --cuda-graphs` costs where no CUDA graph is recorded: the CPU, batch 1, MTP 3.
 
-Three systems on the trained tiny V4 (examples/tiny-v4), interleaved per held-out prompt in one run:
+Four systems on the trained tiny V4 (examples/tiny-v4), interleaved per held-out prompt in one run:
   - plain: the engine as built by default (Sinkhorn as one Loop, the draft's conditionals);
+  - plain, device pools: the same with its pools as torch tensors bound through an IOBinding (`device_pools`), the
+    path the static buffers take, so that the last row's cost is the buffers' alone;
   - graphs, eager: the engine built with --cuda-graphs (no control flow) run as any engine;
   - graphs, static buffers: the same with `cuda_graphs=True`, every verify and draft cycle padded into the
     buffers of its bucket and run through its binding, as the CUDA provider replays them (nothing recorded here).
@@ -25,7 +27,7 @@ from benchmarks.bench_generate import CallClock, Tally, held_out_prompts, prompt
 from v4engine.runtime.engine import EngineManifest
 from v4engine.runtime.generator import Generator
 
-SYSTEMS = ("plain", "graphs, eager", "graphs, static buffers")
+SYSTEMS = ("plain", "plain, device pools", "graphs, eager", "graphs, static buffers")
 
 
 def main() -> None:
@@ -43,8 +45,9 @@ def main() -> None:
         vocab = EngineManifest.read(plain).model.vocab_size
         prompts = np.random.default_rng(0).integers(0, vocab, (args.prompts, args.prompt_tokens)).tolist()
     generators = {SYSTEMS[0]: Generator.from_engine_dir(plain, share_threads=True),
-                  SYSTEMS[1]: Generator.from_engine_dir(graphs, share_threads=True),
-                  SYSTEMS[2]: Generator.from_engine_dir(graphs, share_threads=True, cuda_graphs=True)}
+                  SYSTEMS[1]: Generator.from_engine_dir(plain, share_threads=True, device_pools=True),
+                  SYSTEMS[2]: Generator.from_engine_dir(graphs, share_threads=True),
+                  SYSTEMS[3]: Generator.from_engine_dir(graphs, share_threads=True, cuda_graphs=True)}
     tallies = {name: Tally() for name in SYSTEMS}
     clocks = {name: CallClock(3) for name in SYSTEMS}
     for name, generator in generators.items():

@@ -68,11 +68,13 @@ def dim_ranges(profile: Profile, inputs: Sequence[TensorSpec]) -> dict[str, tupl
     return ranges
 
 
+def powers_of_two(lo: int, hi: int) -> list[int]:
+    """The powers of two from lo up to (not including) hi, then hi: the values a dimension is bucketed at."""
+    return [1 << i for i in range(hi.bit_length()) if lo <= 1 << i < hi] + [hi]
+
+
 def _values(name: str, lo: int, hi: int) -> list[int]:
-    if name not in POWERS_OF_TWO:
-        return [hi]
-    powers = [1 << i for i in range(hi.bit_length()) if lo <= 1 << i < hi]
-    return powers + [hi]
+    return powers_of_two(lo, hi) if name in POWERS_OF_TWO else [hi]
 
 
 def profile_buckets(profile: Profile, inputs: Sequence[TensorSpec]) -> list[Bucket]:
@@ -226,5 +228,5 @@ class StaticCalls:
         return StaticCall(inputs, self._output_buffers[shapes], pools)
 
 
-__all__ = ["Bucket", "profile_buckets", "graph_buckets", "call_dims", "choose_bucket", "padded", "cut", "dim_ranges",
-           "Bind", "StaticCall", "StaticCalls"]
+__all__ = ["Bucket", "powers_of_two", "profile_buckets", "graph_buckets", "call_dims", "choose_bucket", "padded",
+           "cut", "dim_ranges", "Bind", "StaticCall", "StaticCalls"]

@@ -4,8 +4,8 @@ On a GPU a decode step of a small batch is hundreds of small kernels, and launch
 costs more than running them. A CUDA graph records one call's launches once and replays them with one launch. It
 replays exactly what it recorded: the same kernels on the same addresses at the same shapes. So:
 - the calls of the engine's `verify` and `cycle` profiles (CAPTURED_CALLS) are padded to buckets of static shapes
-  (runtime/buckets.py, as MIGraphX's programs are): batch and block-table width at powers of two, sequence at
-  k + 1. Calls no bucket covers (prefill and extend chunks longer than k + 1: once per prompt, not per token) run
+  (runtime/buckets.py, as MIGraphX's programs are): batch, block-table width and positions (up to k + 1) at powers
+  of two. Calls no bucket covers (prefill and extend chunks longer than k + 1: once per prompt, not per token) run
   as before;
 - every other input lives in a buffer of the bucket's shape that is allocated once (runtime/buckets.py
   `StaticCalls`, which MIGraphX's programs run through too); a call copies its own (padded) values into them,
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from .buckets import Bucket, graph_buckets
+from .buckets import Bucket, graph_buckets, powers_of_two
 from .layout import TensorSpec
 from .profiles import Profile
 
@@ -40,10 +40,18 @@ def captured_calls(profiles: Mapping[str, Sequence[Profile]]) -> tuple[str, ...]
 
 
 def captured_buckets(profiles: Sequence[Profile], names: Sequence[str], inputs: Sequence[TensorSpec]) -> list[Bucket]:
-    """The buckets of a graph's profiles named in `names` (engine.json's `cuda_graphs`), without the pools'
-    dimensions: pools are passed in place at any size. Empty when the graph has none of those profiles."""
-    return [Bucket(b.name, {n: v for n, v in b.dims.items() if not n.startswith("pool_")})
-            for b in graph_buckets([profile for profile in profiles if profile.name in names], inputs)]
+    """The buckets of a graph's profiles named in `names` (engine.json's `cuda_graphs`), each also at the powers of
+    two below k + 1 positions (`.s{seq}`), without the pools' dimensions (pools are passed in place at any size).
+    Empty when the graph has none of those profiles.
+
+    Fewer positions matter at width: a draft cycle over the 1 or 2 positions a verify committed, padded to k + 1,
+    runs its MoE on padded positions too, which route to experts of their own (the slice: a draft cycle 1.6x as
+    long; benchmarks/RESULTS.md)."""
+    out = []
+    for bucket in graph_buckets([profile for profile in profiles if profile.name in names], inputs):
+        dims = {n: v for n, v in bucket.dims.items() if not n.startswith("pool_")}
+        out += [Bucket(f"{bucket.name}.s{seq}", dims | {"seq": seq}) for seq in powers_of_two(1, dims["seq"])]
+    return out
 
 
 __all__ = ["CAPTURED_CALLS", "captured_buckets", "captured_calls"]

@@ -107,6 +107,7 @@ def test_recorded_calls_give_the_plain_engines_tokens_and_acceptance(engines, sa
     draft = scheduler.draft_session._captured.bound()
     assert target and all(name.startswith("verify.b") for name in target)     # the per-token calls ran recorded
     assert draft and all(name.startswith("cycle.b") for name in draft)
+    assert any(not name.endswith(".s4") for name in draft)     # cycles over fewer positions than k + 1 padded less
 
 
 def test_a_bucket_whose_pools_moved_is_bound_again(engines):

@@ -107,7 +107,14 @@ def test_recorded_calls_give_the_plain_engines_tokens_and_acceptance(engines, sa
     draft = scheduler.draft_session._captured.bound()
     assert target and all(name.startswith("verify.b") for name in target)     # the per-token calls ran recorded
     assert draft and all(name.startswith("cycle.b") for name in draft)
-    assert any(not name.endswith(".s4") for name in draft)     # cycles over fewer positions than k + 1 padded less
+
+
+def test_a_draft_cycle_over_fewer_positions_takes_a_smaller_bucket(engines):
+    """Drafts mostly rejected (one prompt, greedy): each cycle runs over the one or two positions a verify
+    committed, in a bucket of that many positions, not padded to k + 1 (at width the MoE would run them)."""
+    generator = Generator.from_engine_dir(engines["onnxruntime"], cuda_graphs=True)
+    generator.generate(PROMPTS[0], SamplingParams(max_new_tokens=16))
+    assert any(name.endswith((".s1", ".s2")) for name in generator.scheduler.draft_session._captured.bound())
 
 
 def test_a_bucket_whose_pools_moved_is_bound_again(engines):

@@ -23,8 +23,8 @@ def built_engine(checkpoint: Path, work: Path, mtp: int = 3, *flags: str, name: 
 
 def _readable(engine: Path, mtp: int, stages: int) -> bool:
     """Whether `engine` is one this runtime reads, built with this k and this many pipeline stages."""
-    from v4engine.runtime.engine import EngineManifest
-    from v4engine.runtime.engine_folder import EngineFormatError
+    from v4engine.contract.engine import EngineManifest
+    from v4engine.contract.engine_folder import EngineFormatError
 
     try:
         manifest = EngineManifest.read(engine)

@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import save_file
 
 from v4engine.builder.tiny import TINY_CONFIGS, write_checkpoint_folder
-from v4engine.runtime.config import V4Config
+from v4engine.contract.config import V4Config
 
 
 def widened(target_bytes: float) -> dict:

@@ -54,7 +54,7 @@ def host_work(engine: Path, context: int, steps: int, device_pools: bool = False
             fed[0] += sum(a.nbytes for name, a in feeds.items() if not name.startswith("pool."))
             return run(feeds)
         session.run = counted
-    scheduler.on_call = lambda graph, shape, seconds: engine_seconds.__setitem__(0, engine_seconds[0] + seconds)
+    scheduler.calls.on_call = lambda call, shape, seconds: engine_seconds.__setitem__(0, engine_seconds[0] + seconds)
     pools = list(getattr(scheduler, "pools", {}).values())
     written = lambda: sum(p.bytes_written for p in pools)                              # noqa: E731
     vocab = gen.manifest.model.vocab_size

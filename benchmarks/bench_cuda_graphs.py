@@ -24,7 +24,7 @@ import numpy as np
 
 from benchmarks import built_engine
 from benchmarks.bench_generate import CallClock, Tally, held_out_prompts, prompt_arguments, run_v4engine
-from v4engine.runtime.engine import EngineManifest
+from v4engine.contract.engine import EngineManifest
 from v4engine.runtime.generator import Generator
 
 SYSTEMS = ("plain", "plain, device pools", "graphs, eager", "graphs, static buffers")
@@ -51,7 +51,7 @@ def main() -> None:
     tallies = {name: Tally() for name in SYSTEMS}
     clocks = {name: CallClock(3) for name in SYSTEMS}
     for name, generator in generators.items():
-        generator.scheduler.on_call = clocks[name]
+        generator.scheduler.calls.on_call = clocks[name]
         run_v4engine(generator, prompts[0], 4, Tally(), args.temperature)        # warm up, not counted
         clocks[name].seconds.clear()
     for i, prompt in enumerate(prompts):

@@ -31,8 +31,8 @@ from pathlib import Path
 import onnx
 from benchmarks.bench_build import timed_build
 
-from v4engine.runtime.engine import VALUE_BYTES, EngineManifest
-from v4engine.runtime.engine_folder import EngineFolder, read_graph
+from v4engine.contract.engine import VALUE_BYTES, EngineManifest
+from v4engine.contract.engine_folder import EngineFolder, read_graph
 
 QUANTIZED = {onnx.TensorProto.FLOAT8E4M3FN: "FP8", onnx.TensorProto.FLOAT4E2M1: "FP4"}
 

@@ -1,7 +1,7 @@
 """Generation speed and acceptance on held-out text: transformers eager vs v4engine with MTP = 0, 1, 2, 3.
 
 On the trained tiny V4 (examples/tiny-v4) and held-out prompts from the standard library (files the model
-never saw; v4engine.builder.corpus's split), greedy unless --temperature, one run:
+never saw; v4engine.testkit.corpus's split), greedy unless --temperature, one run:
   - batch 1, interleaved: for each prompt, transformers `generate()` (the same target weights, dequantized to
     fp32 as the engine uses them) and v4engine MTP = 0..3 run back to back, so machine noise hits all alike;
   - batch 4 and 16 (v4engine only), the prompts cycled, each system in turn per round.
@@ -24,11 +24,12 @@ import numpy as np
 import torch
 
 from benchmarks import built_engine
-from v4engine.builder import oracle
-from v4engine.builder.corpus import stdlib_split
+from v4engine.contract.calls import Call
 from v4engine.runtime.generator import Generator
 from v4engine.runtime.metrics import RequestMetrics
 from v4engine.runtime.sampling import SamplingParams
+from v4engine.testkit import oracle
+from v4engine.testkit.corpus import stdlib_split
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -113,20 +114,18 @@ def run_v4engine(generator: Generator, prompts: list[list[int]], new_tokens: int
 
 
 class CallClock:
-    """Every engine call's seconds by kind (Scheduler.on_call): `decode` (target, one token per row), `verify`
+    """Every engine call's seconds by kind (EngineCalls.on_call): `decode` (target, one token per row), `verify`
     (target, 2..k+1), `draft` (one whole draft cycle over 1..k+1 committed positions); prompts are `prefill` and
     `extend`."""
+
+    NAMES = {Call.PREFILL: "prefill", Call.EXTEND: "extend", Call.CYCLE: "draft"}
 
     def __init__(self, mtp: int) -> None:
         self.mtp = mtp
         self.seconds: dict[str, list[float]] = {}
 
-    def __call__(self, graph: str, shape: tuple[int, ...], seconds: float) -> None:
-        short = shape[1] <= self.mtp + 1
-        if graph == "draft":
-            kind = "draft" if short else "extend"
-        else:
-            kind = "decode" if shape[1] == 1 else "verify" if short else "prefill"
+    def __call__(self, call: Call, shape: tuple[int, ...], seconds: float) -> None:
+        kind = self.NAMES.get(call) or ("decode" if shape[1] == 1 else "verify")
         self.seconds.setdefault(kind, []).append(seconds)
 
     def median(self, kind: str) -> float:
@@ -211,7 +210,7 @@ def main() -> None:
         run_v4engine(g, prompts[:1], 8, Tally())
     clocks = {k: CallClock(k) for k in (0, 3)}              # batch 1 only (the first batch size)
     for k, clock in clocks.items():
-        generators[k].scheduler.on_call = clock
+        generators[k].scheduler.calls.on_call = clock
     run_transformers(model, prompts[0], 8, Tally())
 
     sections = []
@@ -240,7 +239,7 @@ def main() -> None:
                 print(f"batch {batch} MTP = {k}: tokens {'equal' if lossless else 'DIFFER from'} MTP = 0")
         rows[batch] = batch_rows
         for k in clocks:
-            generators[k].scheduler.on_call = None
+            generators[k].scheduler.calls.on_call = None
         sections.append(table(f"batch {batch} ({len(groups)} x {batch} prompts, {args.new_tokens} new tokens each, "
                               f"temperature {args.temperature:g})",
                               batch_rows))

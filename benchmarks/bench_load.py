@@ -78,7 +78,7 @@ def main() -> None:
     args = p.parse_args()
     from v4engine.builder.tiny import random_model, save_checkpoint
     from v4engine.builder.tiny import TINY_CONFIGS
-    from v4engine.runtime.config import V4Config
+    from v4engine.contract.config import V4Config
 
     raw = {**TINY_CONFIGS["mixed"], **WIDE}
     raw.pop("rope_scaling", None)

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import built_engine
+from v4engine.contract.calls import Call
 from v4engine.runtime.generator import Generator
 from v4engine.runtime.sampling import SamplingParams
 
@@ -48,8 +49,8 @@ def main() -> None:
     for name, (stages, options) in SYSTEMS.items():
         generators[name] = Generator.from_engine_dir(engines[stages], **options)
         calls[name] = []
-        generators[name].scheduler.on_call = \
-            lambda graph, shape, seconds, name=name: calls[name].append((graph, shape[1], seconds))
+        generators[name].scheduler.calls.on_call = \
+            lambda call, shape, seconds, name=name: calls[name].append((call, shape[1], seconds))
     vocab = generators["one graph, 2 threads"].manifest.model.vocab_size
     prompts = np.random.default_rng(0).integers(0, vocab, (4, 64)).tolist()
     sampling = SamplingParams(max_new_tokens=48, ignore_eos=True)
@@ -70,8 +71,8 @@ def main() -> None:
           "engine share of wall | same tokens |")
     print("|---|---|---|---|---|---|---|")
     for name in SYSTEMS:
-        verify = statistics.median(c[2] for c in calls[name] if c[0] == "target" and c[1] == 4) * 1e3
-        draft = statistics.median(c[2] for c in calls[name] if c[0] == "draft" and c[1] <= 4) * 1e3
+        verify = statistics.median(c[2] for c in calls[name] if c[0] == Call.VERIFY and c[1] == 4) * 1e3
+        draft = statistics.median(c[2] for c in calls[name] if c[0] == Call.CYCLE and c[1] <= 4) * 1e3
         print(f"| {name} | {best[name]:.1f} | {best[name] / base:.2f}x | {verify:.2f} ms | {draft:.2f} ms | "
               f"{statistics.median(engine_share[name]):.0%} | {tokens[name] == reference} |")
 

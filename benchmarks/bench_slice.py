@@ -23,10 +23,10 @@ import torch
 from benchmarks import built_engine
 from benchmarks.bench_generate import Tally, run_transformers, run_v4engine
 from benchmarks.bench_load import measure
-from v4engine.builder import oracle
 from v4engine.builder.tiny import make_tiny
-from v4engine.runtime.engine import EngineManifest
+from v4engine.contract.engine import EngineManifest
 from v4engine.runtime.generator import Generator
+from v4engine.testkit import oracle
 
 
 def decode_rate(tally: Tally) -> float:

@@ -2,7 +2,8 @@
 
 The build runs in a temporary folder next to OUT and is renamed to OUT only at the very end, so an
 interrupted or failed build leaves no OUT and no partial files. Steps: read and check the checkpoint
-against config.json; export `target` (and `draft` when mtp > 0) on the meta device; attach the weights
+against config.json; export `target` (or its pipeline stages) and the draft graph of the checkpoint's drafter
+(when mtp > 0) on the meta device; attach the weights
 (references into the checkpoint, builder/weights.py); add the v4 op functions; check every graph with
 onnx.checker (full) and strict shape inference; write engine.json; let the backend compile and check.
 """
@@ -22,23 +23,24 @@ import onnx
 import torch
 from tqdm import tqdm
 
+from v4engine.contract.backends import BACKENDS, INT8_CODES, STORED_BYTES
+from v4engine.contract.config import V4Config
+from v4engine.contract.drafting import MTP, DraftSpec
+from v4engine.contract.engine import (ACTIVATION_DTYPES, BUILT_LIMIT_DEFAULTS, FORMAT, MANIFEST, MAX_MTP, VALUE_BYTES,
+                                     EngineManifest, GraphEntry, StageEntry, cache_layouts, check_limits)
+from v4engine.contract.errors import V4EngineError
+from v4engine.contract.layout import target_specs
+from v4engine.contract.stages import Stage, single_stage
+from v4engine.contract.staging import Ours, check_destination, staged_folder
+from v4engine.contract.untrusted import read_json
 from v4engine.plugins import DOMAIN, OPSET, onnx_functions
 from v4engine.plugins.sinkhorn import NAME as SINKHORN
-from v4engine.runtime.backends import BACKENDS, INT8_CODES, STORED_BYTES
-from v4engine.runtime.config import V4Config
-from v4engine.runtime.engine import (ACTIVATION_DTYPES, BUILT_LIMIT_DEFAULTS, FORMAT, MANIFEST, MAX_MTP, VALUE_BYTES,
-                                     EngineManifest, GraphEntry, StageEntry, check_limits)
-from v4engine.runtime.layout import CacheLayout, graph_specs
-from v4engine.runtime.errors import V4EngineError
-from v4engine.runtime.untrusted import read_json
-from v4engine.runtime.staging import Ours, check_destination, staged_folder
-from v4engine.runtime.stages import TARGET, Stage, single_stage
 
 from .backends import QUANTIZED_IN_PLACE, TENSORRT_OPTIMIZATION_LEVEL, compile_engine, preflight, prepare_graph
 from .backends.migraphx import SCRIPT, all_nodes
 from .backends.tensorrt import TIMING_CACHE
 from .checkpoint import checkpoint_file
-from .export import export_graph, split_sequences
+from .export import export_draft, export_target, split_sequences
 from .load import open_checkpoint
 from .stages import StageError, model_bytes, plan_stages
 from .weights import WeightGroup, WeightWriter, attach_weights, expert_form, serialize_without_data
@@ -141,10 +143,10 @@ class StageClock:
 
 
 def _write_graph(tmp: Path, name: str, options: BuildOptions, cfg, ckpt, writer: WeightWriter, clock: StageClock,
-                 stage: Stage | None) -> tuple[dict[str, int], dict[str, WeightGroup], Any]:
+                 stage: Stage | None, draft: DraftSpec | None) -> tuple[dict[str, int], dict[str, WeightGroup], Any]:
     """Export, attach weights, prepare for the backend, check and save one graph (the draft, or a stage of the
     target): (weight counts, bytes by weight group, what the backend's preparation recorded)."""
-    proto = exported_graph(cfg, stage, options)
+    proto = exported_graph(cfg, stage, options, draft)
     clock.lap("export")
     counts, groups = attach_weights(proto, ckpt, cfg, writer, BACKENDS[options.backend])
     add_functions(proto, cfg.hc_sinkhorn_iters - 1 if options.cuda_graphs else None)
@@ -165,19 +167,21 @@ _EXPORTED: dict[tuple, bytes] = {}         # this process's last few exports, se
 _EXPORTS_KEPT = 8
 
 
-def exported_graph(cfg: V4Config, stage: Stage | None, options: BuildOptions) -> onnx.ModelProto:
-    """The exported draft graph (stage None) or target stage graph, serialized without data, its sequence splits made
-    Splits; a fresh copy from this process's cache when it exported the same before. An export depends only on the
-    model config, the graph, dtype, limits and k, never on the weights, and costs tens of seconds per graph even for
-    a tiny model: a process that builds one model again (another weight format or backend; the tests) skips it."""
-    draft = stage is None
-    key = (json.dumps(cfg.to_dict(), sort_keys=True), stage, options.dtype, options.max_batch, options.max_seq_len,
-           options.mtp if draft else 0, options.cuda_graphs and draft)
+def exported_graph(cfg: V4Config, stage: Stage | None, options: BuildOptions, draft: DraftSpec | None
+                   ) -> onnx.ModelProto:
+    """The exported draft graph of `draft` (stage None) or target stage graph (returning what `draft` reads),
+    serialized without data, its sequence splits made Splits; a fresh copy from this process's cache when it exported
+    the same before. An export depends only on the model config, the graph, the drafter, dtype, limits and k, never
+    on the weights, and costs tens of seconds per graph even for a tiny model: a process that builds one model again
+    (another weight format or backend; the tests) skips it."""
+    is_draft = stage is None
+    key = (json.dumps(cfg.to_dict(), sort_keys=True), stage, draft.method if draft else None, options.dtype,
+           options.max_batch, options.max_seq_len, options.mtp if is_draft else 0, options.cuda_graphs and is_draft)
     if key not in _EXPORTED:
-        proto = serialize_without_data(export_graph(cfg, draft=draft, dtype=DTYPES[options.dtype],
-                                                    max_batch=options.max_batch, max_seq_len=options.max_seq_len,
-                                                    mtp=options.mtp, stage=stage,
-                                                    conditional=not options.cuda_graphs))
+        limits = {"dtype": DTYPES[options.dtype], "max_batch": options.max_batch, "max_seq_len": options.max_seq_len}
+        model = export_draft(cfg, draft, options.mtp, conditional=not options.cuda_graphs, **limits) if is_draft \
+            else export_target(cfg, stage=stage, draft=draft, **limits)
+        proto = serialize_without_data(model)
         split_sequences(proto.graph)
         while len(_EXPORTED) >= _EXPORTS_KEPT:
             _EXPORTED.pop(next(iter(_EXPORTED)))
@@ -263,17 +267,19 @@ def build(options: BuildOptions) -> EngineManifest:
     cfg, ckpt = open_checkpoint(options.checkpoint, mtp=options.mtp > 0)
     check_limits(dataclasses.asdict(options), cfg, "v4build", BuildError)
     stages = _stages(options, cfg, ckpt)
+    draft = MTP if options.mtp else None
     clock.lap("checkpoint")
     with staged_folder(options.output, "building", options.force, ENGINE_FOLDER) as tmp:
         writer = WeightWriter(tmp)
         try:
-            parts: dict[str, Stage | None] = {s.graph: s for s in stages} | ({"draft": None} if options.mtp else {})
+            parts: dict[str, Stage | None] = {s.graph: s for s in stages} | ({draft.graph: None} if draft else {})
             treatment: dict[str, int] = {}
             prepared: dict[str, Any] = {}
             weight_groups: dict[str, dict[str, Any]] = {}
             resident: dict[str, int] = {}           # bytes of each graph's weights, as its backend holds them
             for name, stage in tqdm(parts.items(), desc="export", unit="graph", disable=not options.progress):
-                counts, groups, prepared[name] = _write_graph(tmp, name, options, cfg, ckpt, writer, clock, stage)
+                counts, groups, prepared[name] = _write_graph(tmp, name, options, cfg, ckpt, writer, clock, stage,
+                                                              draft)
                 weight_groups[name] = {group: dataclasses.asdict(g) for group, g in sorted(groups.items())}
                 resident[name] = sum(sum(g.resident.values()) for g in groups.values())
                 for k, v in counts.items():
@@ -283,16 +289,18 @@ def build(options: BuildOptions) -> EngineManifest:
             for f in tokenizer:                      # only files inside the checkpoint folder are copied
                 shutil.copyfile(checkpoint_file(options.checkpoint, f, str(options.checkpoint)), tmp / f)
             graphs = {}
+            activations = ACTIVATION_DTYPES[options.dtype]
             for name, stage in parts.items():
-                inputs, outputs = graph_specs(cfg, draft=stage is None, dtype=ACTIVATION_DTYPES[options.dtype],
-                                              mtp=options.mtp, stage=stage)
+                inputs, outputs = draft.graph_specs(cfg, activations, options.mtp) if stage is None else \
+                    target_specs(cfg, activations, stage, draft.target_outputs(cfg, activations) if draft else [])
                 graphs[name] = GraphEntry(f"{name}.onnx", tuple(inputs), tuple(outputs))
-            caches = {part: CacheLayout(cfg, part == "draft", VALUE_BYTES[options.dtype])
-                      for part in [TARGET] + (["draft"] if options.mtp else [])}
-            pipeline = [StageEntry(s, resident[s.graph] + (resident.get("draft", 0) if s.last else 0)) for s in stages]
+            caches = cache_layouts(cfg, VALUE_BYTES[options.dtype], draft)
+            pipeline = [StageEntry(s, resident[s.graph] + (resident[draft.graph] if draft and s.last else 0))
+                        for s in stages]
             experts = _experts(cfg.expert_dtype, options.backend)
             manifest = EngineManifest(
-                model=cfg, backend=options.backend, mtp=options.mtp, dtype=options.dtype, graphs=graphs,
+                model=cfg, backend=options.backend, mtp=options.mtp, drafter=draft.method if draft else None,
+                dtype=options.dtype, graphs=graphs,
                 caches=caches, weights=weights, experts=experts, stages=pipeline, tokenizer=tokenizer,
                 checkpoint={"path": str(options.checkpoint.resolve()), "fingerprint": ckpt.fingerprint(),
                             "tensors": len(ckpt.names()), "scheme": ckpt.scheme},

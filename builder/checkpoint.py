@@ -24,10 +24,10 @@ from pathlib import Path, PurePosixPath
 import numpy as np
 import torch
 
-from v4engine.plugins.moe import E2M1_VALUES, FP8_BLOCK, MXFP4_BLOCK, decode_mxfp4
-from v4engine.runtime.errors import V4EngineError
-from v4engine.runtime.untrusted import (HeaderError, JsonFields, in_blob_store, open_regular, read_header,
+from v4engine.contract.errors import V4EngineError
+from v4engine.contract.untrusted import (HeaderError, JsonFields, in_blob_store, open_regular, read_header,
                                         read_json, shown)
+from v4engine.plugins.moe import E2M1_VALUES, FP8_BLOCK, MXFP4_BLOCK, decode_mxfp4
 
 
 class CheckpointError(V4EngineError):

@@ -4,7 +4,8 @@
     v4build make-tiny OUT [--config NAME] [--quantize fp8|mxfp4] [--names official|hf] ...
     v4build make-release OUT [--release v4-flash|v4-pro] [--shards N]
     v4build check --checkpoint DIR [--mtp K]
-    v4build triton-repo ENGINE_DIR OUT [--gpu | --gpus 0,1] [--max-batch N] [--max-queue-size N] [--instance-count N] [--force]
+    v4build triton-repo ENGINE_DIR OUT [--gpu | --gpus 0,1] [--max-batch N] [--max-queue-size N] [--instance-count N]
+                        [--drafter NAME] [--mtp K] [--force]
 
 Every failure prints one line naming the file, tensor or field at fault and exits non-zero.
 """
@@ -15,11 +16,12 @@ import os
 import sys
 from pathlib import Path
 
-from v4engine.runtime.backends import BACKENDS
-from v4engine.runtime.engine import BUILT_LIMIT_DEFAULTS
-from v4engine.runtime.errors import V4EngineError
-from v4engine.runtime.staging import Interrupted, signals_as_exceptions
-from v4engine.runtime.stages import gpu_list
+from v4engine.contract.backends import BACKENDS
+from v4engine.contract.engine import BUILT_LIMIT_DEFAULTS
+from v4engine.contract.errors import V4EngineError
+from v4engine.contract.stages import gpu_list
+from v4engine.contract.staging import Interrupted, signals_as_exceptions
+from v4engine.runtime.drafters import DRAFTERS
 
 from .backends import TENSORRT_OPTIMIZATION_LEVEL
 
@@ -73,7 +75,8 @@ def _triton_repo(args: argparse.Namespace) -> None:
 
     gpus = gpu_list(args.gpus, "--gpus") if args.gpus is not None else []
     out = render(args.engine_dir, args.out, gpu=args.gpu, max_batch=args.max_batch,
-                 max_queue_size=args.max_queue_size, instance_count=args.instance_count, gpus=gpus, force=args.force)
+                 max_queue_size=args.max_queue_size, instance_count=args.instance_count, gpus=gpus,
+                 drafter=args.drafter, mtp=args.mtp, force=args.force)
     where = f"GPUs {args.gpus}" if gpus else "GPU" if args.gpu else "CPU"
     print(f"wrote the Triton model repository for {args.engine_dir} to {out} "
           f"({where}): preprocessing, v4_generate, postprocessing, ensemble")
@@ -236,6 +239,11 @@ def tools_parser() -> argparse.ArgumentParser:
                    "beyond that a request is refused at once (default 32)")
     r.add_argument("--instance-count", type=int, default=1, help="v4_generate instances, each with its own "
                    "scheduler and engine sessions (default 1)")
+    r.add_argument("--drafter", choices=list(DRAFTERS), default=None, help="drafting method of v4_generate: the "
+                   "engine's own draft graph's by default; prompt_lookup drafts from n-grams of each request's own "
+                   "context, on any engine")
+    r.add_argument("--mtp", type=int, default=None, help="draft tokens per step (default: the engine's k; "
+                   "prompt_lookup on an engine built --mtp 0: 3)")
     r.add_argument("--force", action="store_true", help="replace OUT if it is a model repository")
     r.set_defaults(run=_triton_repo)
     return p

@@ -1,13 +1,13 @@
-"""Export our V4 to ONNX: the `target` graph (any number of new tokens on existing caches) and the `draft`
-graph (the MTP layer), with flat, named inputs and outputs that follow the engine contract (runtime/layout.py).
+"""Export our V4 to ONNX: the `target` graph (any number of new tokens on existing caches; or one pipeline stage of
+it) and the engine's `draft` graph, with flat, named inputs and outputs that follow the engine contract
+(contract/layout.py `target_specs`, and the drafter's DraftSpec, contract/drafting.py).
 
 Inputs of the target graph: `input_ids`, `positions` [batch, seq], the rows' cache `slots` and `block_table`, then
 one `pool.{layer}.{cache}` per group of the cache layout (rings of per-sequence slots, blocks of compressed rows),
-read through builder/model/paging.py into the dense views the layers take. Outputs:
-`logits`, `hidden` (pre-head streams), then one `new.{layer}.{cache}` per group: per-position deltas, or
-per-window rows for the compressed caches. The draft graph runs a whole draft cycle (builder/model/drafting.py):
-`hidden`, `input_ids` (the next tokens), `positions`, `lengths`, the rows' sampling settings and uniform numbers,
-and its own window's pool and slots in; `drafts`, `draft_probs` and the window's new rows out. Batch, sequence and row counts are
+read through builder/model/paging.py into the dense views the layers take. Outputs: `logits`, `hidden` (pre-head
+streams), what the drafter reads beside them, then one `new.{layer}.{cache}` per group: per-position deltas, or
+per-window rows for the compressed caches. The draft graph is its method's forward (`DRAFT_FORWARDS`), fed its
+inputs by name; for MTP a whole draft cycle (builder/model/drafting.py). Batch, sequence and row counts are
 dynamic; k is fixed per engine.
 
 Weights are not written here: the model is exported on the meta device and the builder attaches every
@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import onnx
 import onnx_ir as ir
@@ -25,48 +27,72 @@ from onnx import helper
 from torch import nn
 from torch.export import Dim
 
+from v4engine.contract.config import SLIDING, V4Config
+from v4engine.contract.drafting import DraftSpec
+from v4engine.contract.layout import STAGE_INPUT, STREAMS, CacheGroup, CacheLayout, TensorSpec, target_specs
+from v4engine.contract.stages import Stage, single_stage
 from v4engine.plugins import OPSET
-from v4engine.runtime.config import SLIDING, V4Config
-from v4engine.runtime.layout import CacheLayout, TensorSpec, graph_specs
-from v4engine.runtime.stages import Stage, single_stage
 
 from .model import LayerCache, Transformer
-from .model.drafting import draft_cycle
+from .model.drafting import mtp_draft_outputs
 from .model.paging import PoolReader
 from .model.rope import inv_freq
 
+Feeds = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class DraftForward:
+    """A drafting method's graph: the module holding its weights (official names) and its forward over the graph's
+    inputs by name and its cache views (one per layer of its layout) -> its outputs by name, `new.*` included.
+    `conditional`: False for CUDA graphs (no If nodes)."""
+
+    model: Callable[[V4Config], nn.Module]
+    forward: Callable[[nn.Module, Feeds, list[LayerCache], list[CacheGroup], bool], Feeds]
+
+
+DRAFT_FORWARDS: dict[str, DraftForward] = {
+    "mtp": DraftForward(lambda cfg: Transformer(cfg, mtp=True, layers=range(0)), mtp_draft_outputs),
+}
+
+
+def _layer_caches(feeds: Feeds, layout: CacheLayout) -> list[LayerCache]:
+    """Each layer's cache views (LayerCache), read from the call's pools through its slots and block table."""
+    positions = feeds["positions"]
+    reader = PoolReader(feeds["slots"], positions[:, 0], feeds.get("block_table"))
+    caches: dict[int, LayerCache] = {}
+    for group in layout.groups:
+        cache = caches.setdefault(group.layer, LayerCache(window_kv=None))
+        pool = feeds[group.pool]
+        setattr(cache, group.name, reader.blocks(pool) if group.ratio else reader.ring(pool))
+    return [caches[layer] for layer in sorted(caches)]
+
 
 class _Graph(nn.Module):
-    """Flat tensors in and out around a pipeline stage of Transformer (target) or drafting.draft_cycle (draft)."""
+    """Flat tensors in and out, by the contract's names, around a graph's forward (feeds by name -> outputs)."""
 
-    def __init__(self, model: Transformer, draft: bool, stage: Stage, conditional: bool = True):
+    def __init__(self, model: nn.Module, inputs: list[TensorSpec], outputs: list[TensorSpec], layout: CacheLayout,
+                 forward: Callable[[nn.Module, Feeds, list[LayerCache]], Feeds]):
         super().__init__()
-        self.model, self.draft, self.stage, self.conditional = model, draft, stage, conditional
-        layout = CacheLayout(model.cfg, draft, layers=None if draft else stage.layers)
-        self.groups, self.paged = layout.groups, layout.paged
+        self.model, self.layout, self.run = model, layout, forward
+        self.input_names, self.output_names = [s.name for s in inputs], [s.name for s in outputs]
 
     def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if self.draft:
-            hidden, input_ids, positions, lengths, temperature, top_k, top_p, uniforms, slots, *pools = args
-        elif self.stage.first:
-            input_ids, positions, slots, *pools = args
-        else:
-            hidden, input_ids, positions, slots, *pools = args
-        reader = PoolReader(slots, positions[:, 0], pools.pop(0) if self.paged else None)
-        caches: dict[int, LayerCache] = {}
-        for group, pool in zip(self.groups, pools):
-            cache = caches.setdefault(group.layer, LayerCache(window_kv=None))
-            setattr(cache, group.name, reader.blocks(pool) if group.ratio else reader.ring(pool))
-        layers = [caches[layer] for layer in sorted(caches)]
-        if self.draft:
-            cycle = draft_cycle(self.model, hidden, input_ids, positions, lengths, layers[0], temperature, top_k,
-                                top_p, uniforms, self.conditional)
-            return (cycle.drafts, cycle.probs, *(getattr(cycle.delta, g.name) for g in self.groups))
-        stage, model = self.stage, self.model
-        x = model.embedded_streams(input_ids) if stage.first else hidden
-        x, deltas = model.run_layers(x, input_ids, positions, layers, stage.layers)
-        new = [getattr(deltas[g.layer - stage.layers.start], g.name) for g in self.groups]
-        return (*([model.logits(x)] if stage.last else []), x, *new)
+        feeds = dict(zip(self.input_names, args))
+        out = self.run(self.model, feeds, _layer_caches(feeds, self.layout))
+        return tuple(out[name] for name in self.output_names)
+
+
+def _target_outputs(stage: Stage, layout: CacheLayout) -> Callable[[nn.Module, Feeds, list[LayerCache]], Feeds]:
+    """A target stage's forward: embed (first stage) or take the previous stage's streams, run its layers, and the
+    head (last stage)."""
+    def forward(model: Transformer, feeds: Feeds, caches: list[LayerCache]) -> Feeds:
+        x = model.embedded_streams(feeds["input_ids"]) if stage.first else feeds[STAGE_INPUT]
+        x, deltas = model.run_layers(x, feeds["input_ids"], feeds["positions"], caches, stage.layers)
+        out = {g.new: getattr(deltas[g.layer - stage.layers.start], g.name) for g in layout.groups}
+        return out | {STREAMS: x} | ({"logits": model.logits(x)} if stage.last else {})
+
+    return forward
 
 
 def _example(spec: TensorSpec, sizes: dict[str, int]) -> torch.Tensor:
@@ -83,19 +109,42 @@ def rope_table(cfg: V4Config, initializer: str) -> torch.Tensor | None:
     return inv_freq(cfg.rope(kind))
 
 
-def export_graph(cfg: V4Config, draft: bool, dtype: torch.dtype = torch.float32, max_batch: int = 64,
-                 max_seq_len: int = 4096, mtp: int = 0, stage: Stage | None = None, conditional: bool = True
-                 ) -> ir.Model:
-    """The target graph (or one pipeline stage of it), or the draft graph of k = mtp drafts per call, as an onnx_ir
-    Model whose checkpoint initializers have no data yet (and which holds only the initializers it reads).
-    `conditional=False`: the draft without its If nodes (for CUDA graphs; builder/model/drafting.py)."""
-    dtype_name = str(dtype).removeprefix("torch.")
+def export_target(cfg: V4Config, dtype: torch.dtype = torch.float32, max_batch: int = 64, max_seq_len: int = 4096,
+                  stage: Stage | None = None, draft: DraftSpec | None = None) -> ir.Model:
+    """The target graph, or one pipeline stage of it (returning what `draft` reads of the last stage too), as an
+    onnx_ir Model whose checkpoint initializers have no data yet (and which holds only the initializers it reads)."""
     stage = stage or single_stage(cfg.num_hidden_layers)[0]
+    dtype_name = str(dtype).removeprefix("torch.")
+    extra = draft.target_outputs(cfg, dtype_name) if draft is not None else []
+    if extra:
+        raise NotImplementedError(f"the {draft.method} drafter's target outputs are not exported yet")
     with torch.device("meta"):                               # no weight memory, whatever the model size
-        model = Transformer(cfg, mtp=draft, layers=range(0) if draft else stage.layers)
-        model = model.stack_experts().to_dtype(dtype).eval()
-    inputs, outputs = graph_specs(cfg, draft, dtype_name, mtp, None if draft else stage)
-    max_blocks = CacheLayout(cfg, draft).table_blocks(max_seq_len)
+        model = Transformer(cfg, mtp=False, layers=stage.layers).stack_experts().to_dtype(dtype).eval()
+    inputs, outputs = target_specs(cfg, dtype_name, stage, extra)
+    layout = CacheLayout.target(cfg, layers=stage.layers)
+    return _export(_Graph(model, inputs, outputs, layout, _target_outputs(stage, layout)), cfg, inputs, outputs,
+                   max_batch, max_seq_len)
+
+
+def export_draft(cfg: V4Config, draft: DraftSpec, k: int, dtype: torch.dtype = torch.float32, max_batch: int = 64,
+                 max_seq_len: int = 4096, conditional: bool = True) -> ir.Model:
+    """The draft graph of `draft`'s method, k drafts per call (`conditional=False`: without If nodes, for CUDA
+    graphs; builder/model/drafting.py), as export_target's."""
+    method = DRAFT_FORWARDS[draft.method]
+    with torch.device("meta"):
+        model = method.model(cfg).stack_experts().to_dtype(dtype).eval()
+    inputs, outputs = draft.graph_specs(cfg, str(dtype).removeprefix("torch."), k)
+    layout = draft.layout(cfg)
+
+    def forward(module: nn.Module, feeds: Feeds, caches: list[LayerCache]) -> Feeds:
+        return method.forward(module, feeds, caches, layout.groups, conditional)
+
+    return _export(_Graph(model, inputs, outputs, layout, forward), cfg, inputs, outputs, max_batch, max_seq_len)
+
+
+def _export(graph: _Graph, cfg: V4Config, inputs: list[TensorSpec], outputs: list[TensorSpec], max_batch: int,
+            max_seq_len: int) -> ir.Model:
+    max_blocks = CacheLayout.target(cfg).table_blocks(max_seq_len)
     dims = {"batch": Dim("batch", min=1, max=max_batch), "seq": Dim("seq", min=1, max=max_seq_len),
             "blocks": Dim("blocks", min=0, max=max_blocks), "pool_slots": Dim("pool_slots", min=1),
             "pool_blocks": Dim("pool_blocks", min=1)}
@@ -107,12 +156,10 @@ def export_graph(cfg: V4Config, draft: bool, dtype: torch.dtype = torch.float32,
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)  # torchvision absent
     with warnings.catch_warnings():     # the exporter's own deprecation chatter; our checks follow the export
         warnings.simplefilter("ignore")
-        graph = _Graph(model, draft, stage, conditional).eval()
-        program = torch.onnx.export(graph, examples, dynamo=True, opset_version=OPSET,
+        program = torch.onnx.export(graph.eval(), examples, dynamo=True, opset_version=OPSET,
                                     optimize=False, input_names=[s.name for s in inputs],
                                     output_names=[s.name for s in outputs], dynamic_shapes=(dynamic,), verbose=False)
     return program.model
-
 
 
 def split_sequences(graph: onnx.GraphProto) -> int:
@@ -149,4 +196,4 @@ def split_sequences(graph: onnx.GraphProto) -> int:
     return sum(1 for node in replaced.values() if node.op_type == "Split")
 
 
-__all__ = ["export_graph", "rope_table", "split_sequences"]
+__all__ = ["DRAFT_FORWARDS", "DraftForward", "export_draft", "export_target", "rope_table", "split_sequences"]

@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from v4engine.runtime.config import V4Config
+from v4engine.contract.config import V4Config
 
 from .checkpoint import Checkpoint, CheckpointError, checkpoint_file
 from .model import Transformer

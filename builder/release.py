@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from v4engine.runtime.config import V4Config
-from v4engine.runtime.errors import ConfigError
-from v4engine.runtime.staging import check_destination
+from v4engine.contract.config import V4Config
+from v4engine.contract.errors import ConfigError
+from v4engine.contract.staging import check_destination
 
 from .checkpoint import FP8_BLOCK, FP8_QUANTIZATION_CONFIG, MXFP4_BLOCK, dtype_bytes
 from .model import Transformer

@@ -1,5 +1,5 @@
 """`v4build --pipeline-stages N`: where the target's layers are cut so that every stage holds about as many resident
-bytes (runtime/stages.py says what a stage is).
+bytes (contract/stages.py says what a stage is).
 
 The cut must be known before the stage graphs are exported, so each weight's resident bytes are computed here from
 the checkpoint's headers and the model's parameters, by the same rules attach_weights follows when it gives the
@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from v4engine.runtime.backends import Backend
-from v4engine.runtime.config import V4Config
-from v4engine.runtime.errors import V4EngineError
-from v4engine.runtime.stages import Stage, stages_of
+from v4engine.contract.backends import Backend
+from v4engine.contract.config import V4Config
+from v4engine.contract.errors import V4EngineError
+from v4engine.contract.stages import Stage, stages_of
 
 from .checkpoint import Checkpoint
 from .export import rope_table
@@ -34,13 +34,13 @@ class StageError(V4EngineError):
 @dataclass
 class ModelBytes:
     """Resident bytes of the weights, by where they run: each target layer, the embedding, the final hc_head and
-    norm, the LM head, and the MTP layer's own weights."""
+    norm, the LM head, and the draft module's own weights (under `mtp.*`)."""
 
     layers: list[int]
     embedding: int = 0
     final: int = 0
     head: int = 0
-    mtp: int = 0
+    draft: int = 0
 
     def stage(self, stage: Stage, draft: bool) -> int:
         """Bytes a stage's device holds: its layers, the embedding if first, the final hc_head, norm and LM head if
@@ -48,15 +48,15 @@ class ModelBytes:
         when the engine drafts."""
         extra = (self.embedding if stage.first else 0) + (self.final + self.head if stage.last else 0)
         if stage.last and draft:
-            extra += self.mtp + self.embedding + self.head
+            extra += self.draft + self.embedding + self.head
         return sum(self.layers[i] for i in stage.layers) + extra
 
 
-def model_bytes(cfg: V4Config, ckpt: Checkpoint, backend: Backend, dtype: torch.dtype, mtp: bool) -> ModelBytes:
+def model_bytes(cfg: V4Config, ckpt: Checkpoint, backend: Backend, dtype: torch.dtype, draft: bool) -> ModelBytes:
     """Every weight's resident bytes for `backend` with activations in `dtype` (what attach_weights will count),
     summed by where it runs."""
     with torch.device("meta"):
-        model = Transformer(cfg, mtp=mtp).stack_experts().to_dtype(dtype)
+        model = Transformer(cfg, mtp=draft).stack_experts().to_dtype(dtype)
     out = ModelBytes([0] * cfg.num_hidden_layers)
     for name, value in [*model.named_parameters(), *model.named_buffers()]:
         if rope_table(cfg, name) is not None:             # computed tables, inline and tiny
@@ -66,7 +66,7 @@ def model_bytes(cfg: V4Config, ckpt: Checkpoint, backend: Backend, dtype: torch.
         if part == "layers":
             out.layers[int(name.split(".")[1])] += resident
         else:
-            owner = {"mtp": "mtp", "embed": "embedding", "head": "head"}.get(part, "final")
+            owner = {"mtp": "draft", "embed": "embedding", "head": "head"}.get(part, "final")
             setattr(out, owner, getattr(out, owner) + resident)
     return out
 

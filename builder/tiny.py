@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from v4engine.runtime.config import V4Config
-from v4engine.runtime.errors import ConfigError
-from v4engine.runtime.staging import Ours, check_destination, staged_folder
+from v4engine.contract.config import V4Config
+from v4engine.contract.errors import ConfigError
+from v4engine.contract.staging import Ours, check_destination, staged_folder
 
 from .checkpoint import FP8_QUANTIZATION_CONFIG, quantize_fp8_block, quantize_mxfp4
 from .model import Transformer

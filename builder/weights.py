@@ -41,13 +41,13 @@ import onnx_ir as ir
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
+from v4engine.contract.backends import INT8_CODES, STORED_BYTES, Backend
+from v4engine.contract.config import V4Config
+from v4engine.contract.engine import WeightFile
 from v4engine.plugins import DOMAIN
 from v4engine.plugins.moe import NAME as ROUTED_EXPERTS
 from v4engine.plugins.moe import PLUGIN_FUNCTIONS as EXPERT_FUNCTIONS
 from v4engine.plugins.moe import QUANTIZED_FUNCTIONS
-from v4engine.runtime.backends import INT8_CODES, STORED_BYTES, Backend
-from v4engine.runtime.config import V4Config
-from v4engine.runtime.engine import WeightFile
 
 from .checkpoint import E2M1_VALUES, FP8_BLOCK, MXFP4_BLOCK, Checkpoint, TensorInfo
 from .export import rope_table

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from v4engine.builder.checkpoint import Checkpoint
 from v4engine.builder.cli import main as v4build
-from v4engine.runtime.engine import FORMAT_VERSION
+from v4engine.contract.engine import FORMAT_VERSION
 from v4engine.runtime.generator import GenerationResult, Generator
 from v4engine.runtime.sampling import SamplingParams
 

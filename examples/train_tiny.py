@@ -21,11 +21,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from v4engine.builder.corpus import stdlib_split
 from v4engine.builder.model import ModelState, Transformer
 from v4engine.builder.model.v4 import hyper_head
 from v4engine.builder.tiny import random_model, save_checkpoint
-from v4engine.runtime.config import V4Config
+from v4engine.contract.config import V4Config
+from v4engine.testkit.corpus import stdlib_split
 
 CONFIG = {
     "model_type": "deepseek_v4", "architectures": ["DeepseekV4ForCausalLM"], "bos_token_id": 0, "eos_token_id": 1,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from onnxscript import FLOAT, INT64, script
 
-from v4engine.runtime.layout import emitted_rows
+from v4engine.contract.layout import emitted_rows
 
 from .common import NEG_INF, V4, exporting, op, symbolic
 

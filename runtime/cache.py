@@ -24,8 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from .errors import V4EngineError
-from .layout import BLOCK_TABLE, SLOTS, CacheGroup, CacheLayout, closed_windows
+from v4engine.contract.errors import V4EngineError
+from v4engine.contract.layout import BLOCK_TABLE, SLOTS, CacheGroup, CacheLayout, closed_windows
+
 from .pool_arrays import PoolArrays
 
 

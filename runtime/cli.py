@@ -1,7 +1,7 @@
-"""The `v4generate` command line: generate from an engine directory with MTP drafting.
+"""The `v4generate` command line: generate from an engine directory with speculative decoding.
 
     v4generate ENGINE_DIR --prompt TEXT | --prompt-ids 1,2,3 [--max-new-tokens N] [--temperature T]
-               [--top-p P] [--top-k K] [--seed S] [--mtp K] [--devices 0,1] [--stream] [--json]
+               [--top-p P] [--top-k K] [--seed S] [--drafter NAME] [--mtp K] [--devices 0,1] [--stream] [--json]
 """
 from __future__ import annotations
 
@@ -12,16 +12,18 @@ import signal
 import sys
 from pathlib import Path
 
+from v4engine.contract.errors import V4EngineError
+from v4engine.contract.stages import gpu_list
+
 from .detokenize import IncrementalDetokenizer
-from .errors import V4EngineError
+from .drafters import DRAFTERS
 from .generator import Generator
 from .sampling import SamplingParams
-from .stages import gpu_list
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="v4generate", description="Generate from a v4engine engine directory, drafting "
-                                "with the MTP layer and verifying with the target (lossless).")
+                                "with the engine's drafter (or another) and verifying with the target (lossless).")
     p.add_argument("engine_dir", type=Path, help="engine directory built by v4build")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs the engine's tokenizer.json)")
@@ -32,7 +34,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = all)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--mtp", type=int, default=None, help="draft tokens per step (0..the engine's k; default: k)")
+    p.add_argument("--drafter", choices=list(DRAFTERS), default=None, help="drafting method: the engine's own draft "
+                   "graph's by default (engine.json's drafter); prompt_lookup drafts from n-grams of the request's own "
+                   "context, on any engine")
+    p.add_argument("--mtp", type=int, default=None, help="draft tokens per step, 0 (no drafting) to what the drafter "
+                   "makes on this engine (its own draft graph: the k it was built with); default: the engine's k "
+                   "(prompt_lookup on an engine built --mtp 0: 3)")
     p.add_argument("--devices", default=None, help="GPU of each pipeline stage, comma-separated, e.g. 0,1 for an engine "
                    "built with --pipeline-stages 2 (one per stage; the draft runs on the last stage's); default: every "
                    "stage where the backend runs by default (the CPU for ONNX Runtime)")
@@ -69,8 +76,8 @@ def run(args: argparse.Namespace) -> int:
         except ValueError:
             raise V4EngineError(f"--prompt-ids must be comma-separated integers (got {args.prompt_ids!r})") from None
     devices = gpu_list(args.devices, "--devices") if args.devices is not None else None
-    generator = Generator.from_engine_dir(args.engine_dir, mtp=args.mtp, share_threads=True,   # our own process
-                                          devices=devices)
+    generator = Generator.from_engine_dir(args.engine_dir, mtp=args.mtp, drafter=args.drafter,
+                                          share_threads=True, devices=devices)   # our own process
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
     if args.stream and not args.json:       # text pieces never split a character nor show a stop string

@@ -17,16 +17,18 @@ from pathlib import Path
 
 import numpy as np
 
-from .backends import BACKENDS
+from v4engine.contract.backends import BACKENDS
+from v4engine.contract.engine import EngineManifest, check_limits
+from v4engine.contract.engine_folder import EngineFolder, EngineFormatError
+from v4engine.contract.stages import check_devices
+from v4engine.contract.untrusted import first_line
+
 from .detokenize import IncrementalDetokenizer, final_text
-from .engine import EngineManifest, check_limits
-from .engine_folder import EngineFolder, EngineFormatError
+from .drafters import DRAFTERS, Drafter
 from .metrics import RequestMetrics
 from .sampling import RequestError, SamplingParams, is_integer
 from .scheduler import Request, Scheduler
-from .sessions import open_session, open_target
-from .stages import check_devices
-from .untrusted import first_line
+from .sessions import EngineSession, open_session, open_target
 
 Prompt = str | Sequence[int]
 TOKENIZER = "tokenizer.json"
@@ -50,6 +52,25 @@ def load_tokenizer(engine_dir: str | Path):
 def encode_text(tokenizer, text: str) -> list[int]:
     """A prompt's token ids: the text as it is, no special tokens added (the prompt says what it holds)."""
     return tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def drafter_tokens(manifest: EngineManifest, name: str | None, mtp: object, max_prefill_chunk: int, source: str
+                   ) -> tuple[type[Drafter] | None, int]:
+    """(the drafting method asked for, its draft tokens per step), or RequestError naming the one at fault. name
+    None: the engine's own draft graph's method (none when it has none); mtp None: the method's default."""
+    name = manifest.drafter if name is None else name
+    if name is not None and name not in DRAFTERS:
+        raise RequestError(f"drafter must be one of {', '.join(DRAFTERS)} (got {reprlib.repr(name)})")
+    method = DRAFTERS[name] if name is not None else None
+    if method is not None and method.has_graph and name != manifest.drafter:
+        raise RequestError(f"{source} has no {name} draft graph (its drafter: {manifest.drafter or 'none'}); "
+                           "rebuild it from a checkpoint with one, or pick a drafter without weights")
+    mtp = (method.default_tokens(manifest) if method is not None else 0) if mtp is None else mtp
+    most = method.most_tokens(manifest, max_prefill_chunk) if method is not None else 0
+    if not (is_integer(mtp) and 0 <= mtp <= most):
+        raise RequestError(f"mtp must be an integer from 0 to {most}, the draft tokens per step "
+                           f"{name or 'no drafter'} makes on {source} (got {reprlib.repr(mtp)})")
+    return method, int(mtp)
 
 
 @dataclass
@@ -82,6 +103,7 @@ class Generator:
 
     @classmethod
     def from_engine_dir(cls, path: str | Path, backend: str | None = None, mtp: int | None = None,
+                        drafter: str | None = None,
                         max_batch: int | None = None, max_seq_len: int | None = None,
                         max_cache_bytes: int | None = None,
                         max_prefill_chunk: int | None = None, threads: int | None = None,
@@ -89,7 +111,10 @@ class Generator:
                         prefix_cache: bool = True, device_pools: bool | None = None,
                         devices: Sequence[int] | None = None, microbatches: int | None = None,
                         cuda_graphs: bool | None = None) -> "Generator":
-        """Open an engine directory. mtp (<= the engine's k, 0 disables drafting) defaults to the engine's.
+        """Open an engine directory. drafter: the drafting method (runtime/drafters/ DRAFTERS: the engine's own
+        draft graph's by default; "prompt_lookup" on any engine). mtp: draft tokens per step, from 0 (no drafting)
+        to what the drafter makes on this engine (the engine's k for its own draft graph); default the engine's k
+        (prompt lookup on an engine without a draft graph: 3).
 
         providers: ONNX Runtime execution providers, e.g. ["CUDAExecutionProvider", "CPUExecutionProvider"] with
         onnxruntime-gpu installed (default: the CPU). max_batch, max_seq_len and max_prefill_chunk (prompt tokens per
@@ -123,9 +148,7 @@ class Generator:
                 if value > built[name]:
                     raise RequestError(f"{path}: {name} {value} exceeds the {built[name]} this {manifest.backend} "
                                        "engine was built for (rebuild with a larger one)")
-        mtp = manifest.mtp if mtp is None else mtp
-        if not 0 <= mtp <= manifest.mtp:
-            raise RequestError(f"mtp must be between 0 and the engine's {manifest.mtp} (got {mtp})")
+        method, mtp = drafter_tokens(manifest, drafter, mtp, asked["max_prefill_chunk"], str(path))
         if devices is not None:
             devices = check_devices(devices, len(manifest.stages), str(path), RequestError)
         if microbatches is not None and not (is_integer(microbatches) and 1 <= microbatches <= asked["max_batch"]):
@@ -140,13 +163,16 @@ class Generator:
             options["device_pools"] = device_pools
         if cuda_graphs is not None:
             options["cuda_graphs"] = cuda_graphs
-        if mtp or len(manifest.stages) > 1:
+        if (mtp and method.has_graph) or len(manifest.stages) > 1:
             options["alternating"] = True       # sessions (target and draft, pipeline stages) take turns on the cores
         target = open_target(path, manifest, devices, microbatches, **options)
-        draft = open_session(path, manifest, "draft", device=devices[-1] if devices else None, **options) \
-            if mtp else None
-        scheduler = Scheduler(manifest, target, draft, mtp, max_cache_bytes=max_cache_bytes,
-                              prefix_cache=prefix_cache, **asked)
+
+        def open_graph(graph: str) -> EngineSession:       # a draft graph runs beside the last stage
+            return open_session(path, manifest, graph, device=devices[-1] if devices else None, **options)
+
+        drafts = method.open(manifest, mtp, asked["max_prefill_chunk"], open_graph) if mtp else None
+        scheduler = Scheduler(manifest, target, drafts, max_cache_bytes=max_cache_bytes, prefix_cache=prefix_cache,
+                              **asked)
         return cls(path, manifest, scheduler, load_tokenizer(path))
 
     # ------------------------------------------------------------------ prompts and requests

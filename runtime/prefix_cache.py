@@ -9,9 +9,10 @@ tokens[:P] exactly:
   never written again; the last one, when P is not a block boundary, is copied into a block of the forking
   sequence's own (the rows after P in it are the earlier sequence's, and are overwritten before they are read);
 - a copy of the target's rings at P (windows and compressors' partial windows: O(window) rows per layer);
-- the target's hidden streams of the last W - 1 positions before P: the MTP layer's window rows at a position are
-  a function of that position's inputs only (its streams and the next token), so a forked request's first draft
-  cycle recomputes exactly the draft window it reads, from P - (W - 1) on.
+- the drafter's snapshot: what it needs to rebuild its state at P exactly (runtime/drafters/). MTP's is the
+  target's streams of the last W - 1 positions before P: the MTP layer's window rows at a position are a function
+  of that position's inputs only (its streams and the next token), so a forked request's first draft cycle
+  recomputes exactly the draft window it reads, from P - (W - 1) on.
 A request that forks at P runs exactly the tokens of a cold run from P on. Entries are found through a chain of
 block hashes (blake2b) of their full blocks, confirmed token by token, and evicted least recently used: when the
 pool needs blocks, or when the snapshots' own bytes pass their cap.
@@ -26,7 +27,6 @@ from typing import Any
 import numpy as np
 
 from .cache import CachePool, PoolExhausted, SequenceCache
-from .layout import CacheLayout
 
 
 @dataclass
@@ -34,7 +34,7 @@ class PrefixEntry:
     tokens: tuple[int, ...]
     blocks: list[int]                    # target blocks with rows of positions [0, P), one reference held here
     rings: dict[str, Any]                # the target's rings at P, by pool name (where the pools are)
-    hidden: np.ndarray                   # [min(P, W - 1), hc_mult, hidden]: target streams before P
+    draft: np.ndarray | None             # the drafter's snapshot at P, or None
 
     @property
     def length(self) -> int:
@@ -42,17 +42,11 @@ class PrefixEntry:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.rings.values()) + self.hidden.nbytes
-
-    @staticmethod
-    def bytes_for(layout: CacheLayout, streams: int, stream_bytes: int) -> int:
-        """An entry's bytes: the target's rings, and `streams` rows of `stream_bytes` (a drafting engine keeps
-        the W - 1 streams before the fork; none without drafting)."""
-        return layout.slot_bytes + streams * stream_bytes
+        return sum(a.nbytes for a in self.rings.values()) + (self.draft.nbytes if self.draft is not None else 0)
 
 
 class PrefixCache:
-    """Entries of one scheduler's target pool; `max_bytes` caps the snapshots' own bytes (rings and streams)."""
+    """Entries of one scheduler's target pool; `max_bytes` caps the snapshots' own bytes (rings and drafters')."""
 
     def __init__(self, pool: CachePool, max_bytes: int):
         self.pool, self.max_bytes = pool, max_bytes
@@ -80,15 +74,15 @@ class PrefixCache:
                 return entry
         return None
 
-    def insert(self, tokens: list[int], cache: SequenceCache, hidden: np.ndarray) -> None:
-        """Remember `cache` (the target's) as the state after tokens[:cache.length]; `hidden` holds the streams of
-        the positions just before it."""
+    def insert(self, tokens: list[int], cache: SequenceCache, draft: np.ndarray | None) -> None:
+        """Remember `cache` (the target's) as the state after tokens[:cache.length], with a copy of the drafter's
+        snapshot there (None: it needs none)."""
         length = cache.length
         key = tuple(tokens[:length])
         if length == 0 or key in self.entries:
             return
         blocks = cache.blocks[: self.pool.layout.blocks_for(length)]
-        entry = PrefixEntry(key, blocks, cache.ring_rows(), hidden.copy())
+        entry = PrefixEntry(key, blocks, cache.ring_rows(), draft.copy() if draft is not None else None)
         if entry.nbytes > self.max_bytes:
             return
         self.pool.share(blocks)

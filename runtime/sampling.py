@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import V4EngineError
+from v4engine.contract.errors import V4EngineError
 
 MAX_STOP_STRINGS = 16            # stop strings per request
 MAX_STOP_LENGTH = 256            # characters per stop string

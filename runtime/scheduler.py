@@ -1,20 +1,19 @@
-"""Continuous batching with MTP speculative decoding (docs/architecture.md §4).
+"""Continuous batching with speculative decoding (docs/architecture.md §4).
 
 Every request carries its phase; one engine call may hold rows in different phases (a prefill chunk beside
 verify rows), each handled by its own phase and length, never by the shape of the batch.
 
-Caches live in paged pools (runtime/cache.py) sized once from a memory budget. One scheduler step:
+Caches live in paged pools (runtime/cache.py) sized once from a memory budget (runtime/budget.py). One step:
 1. admit waiting requests while the pools have the blocks their prompts need (a prompt that starts like an
    earlier one forks from its prefix, runtime/prefix_cache.py); then hold the blocks every running request needs
    for this step: when the pool runs out, unused prefix entries go first, then the most recently admitted
    requests are preempted (their caches freed; they wait at the front of the queue and recompute later, exactly);
-2. DRAFT for decoding requests, one engine call (builder/model/drafting.py): the MTP layer over the positions
-   the target committed since the last draft (the whole prompt on the first cycle), fed (H_i, t_{i+1}); its last
-   row gives d1, then k-1 single-row steps on its own streams give d2..dk, drawn inside the graph from the
-   request's sampling settings; the draft cache keeps only the committed positions' rows;
+2. DRAFT for decoding requests: the drafter proposes up to k tokens each (runtime/drafters/: MTP's draft graph,
+   one engine call; prompt lookup, none), with the distributions they were drawn from;
 3. one target call over every active row: the next prefill chunk, or VERIFY [t, d1..dk];
 4. COMMIT: prefill rows commit the chunk; verify rows accept j drafts + 1 token (greedy or lossless
-   sampling) and commit j+1 positions; stop conditions end requests, whose caches are released.
+   sampling) and commit j+1 positions; the drafter observes what was committed; stop conditions end requests,
+   whose caches are released.
 
 The scheduler is not thread-safe: the Generator's lock guards it (runtime/generator.py).
 """
@@ -22,36 +21,27 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 import numpy as np
 
-from .cache import CachePool, SequenceCache
+from v4engine.contract.calls import Call
+from v4engine.contract.engine import EngineManifest
+from v4engine.contract.errors import V4EngineError
+from v4engine.contract.stages import TARGET
+
+from .budget import plan_pools, sequence_bytes
+from .cache import SequenceCache
 from .detokenize import IncrementalDetokenizer
-from .engine import EngineManifest
-from .errors import V4EngineError
+from .drafters import Drafter, Proposal
+from .engine_calls import EngineCalls
 from .metrics import RequestMetrics
-from .layout import CacheGroup
-from .pool_arrays import NUMPY_DTYPES, PoolArrays, pool_arrays
+from .pool_arrays import NUMPY_DTYPES
 from .prefix_cache import PrefixCache, PrefixEntry
 from .sampling import RequestError, SamplingParams, accept_greedy, accept_sampled, distribution, draw, is_integer
 from .sessions import EngineSession
-
-
-def _memory_cap(storages: dict[str | None, PoolArrays], device_of: dict[str, str | None],
-                groups: dict[str, list[CacheGroup]], seq_len: int) -> int:
-    """The largest cache budget that takes at most half of each place's memory, given the share of a sequence's
-    cache bytes each place holds (all of it, unless a pipeline spreads the pools over several GPUs). Host numpy
-    pools and torch CPU pools share one place: the host's memory."""
-    place = {device: "cpu" if device is None else device for device in storages}
-    held = dict.fromkeys(place.values(), 0)
-    for g in (g for part in groups.values() for g in part):
-        held[place[device_of[g.pool]]] += g.bytes_for(seq_len)
-    memory = {place[device]: storage.memory() for device, storage in storages.items()}
-    total = sum(held.values())
-    return min(memory[p] // 2 * total // max(1, held[p]) for p in held)
 
 
 class CapacityError(RequestError):
@@ -72,17 +62,14 @@ class Request:
     params: SamplingParams
     capacity: int
     metrics: RequestMetrics
-    num_draft_tokens: int              # draft tokens per step for this request (<= the scheduler's mtp)
+    num_draft_tokens: int              # draft tokens per step for this request (<= the scheduler's k)
     rng: np.random.Generator
     stop_ids: frozenset[int]           # token ids that end it: its stop_token_ids, and eos unless ignored
     phase: Phase = Phase.WAITING
     tokens: list[int] = field(default_factory=list)
     target: SequenceCache | None = None
-    draft: SequenceCache | None = None
-    pending_hidden: list[np.ndarray] = field(default_factory=list)   # streams of positions [draft.length, target.length)
-    hidden_tail: np.ndarray | None = None   # prefill streams of the last W - 1 positions (prefix cache snapshots)
-    drafts: list[int] = field(default_factory=list)
-    draft_probs: list[np.ndarray] = field(default_factory=list)
+    draft_state: Any = None            # its drafter's state (runtime/drafters/), while it holds caches
+    proposal: Proposal | None = None   # the drafts its next verify checks
     finish_reason: str | None = None   # "stop", "length", "cancelled", or "error" (a failed step: see `error`)
     error: BaseException | None = None
     arrival: float = field(default_factory=time.perf_counter)   # submitted: time to first token counts queueing
@@ -108,93 +95,72 @@ class StepResult:
 
 
 class Scheduler:
-    def __init__(self, manifest: EngineManifest, target: EngineSession, draft: EngineSession | None, mtp: int,
-                 max_batch: int, max_seq_len: int, max_cache_bytes: int | None = None, max_prefill_chunk: int = 512,
+    def __init__(self, manifest: EngineManifest, target: EngineSession, drafter: Drafter | None, max_batch: int,
+                 max_seq_len: int, max_cache_bytes: int | None = None, max_prefill_chunk: int = 512,
                  prefix_cache: bool = True):
-        if mtp > manifest.mtp:
-            raise V4EngineError(f"mtp {mtp} is more than the engine was built for ({manifest.mtp})")
-        if mtp > 0 and draft is None:
-            raise V4EngineError("mtp > 0 needs the engine's draft graph")
-        self.manifest, self.cfg = manifest, manifest.model
-        self.target_session, self.draft_session = target, draft
-        self.mtp, self.max_batch, self.max_seq_len = mtp, max_batch, max_seq_len
-        self.max_prefill_chunk = max_prefill_chunk
+        """`drafter`: what proposes the drafts (None: no drafting), k = drafter.k tokens per step at most."""
         if manifest.dtype not in NUMPY_DTYPES:
             raise V4EngineError(f"engine dtype {manifest.dtype} cannot run in this runtime")
-        self.dtype = NUMPY_DTYPES[manifest.dtype]      # of host arrays: the draft's streams, prefix snapshots'
-        self.groups = {part: manifest.cache_groups(part) for part in manifest.caches}
-        # Each pool where the session that reads it keeps pools (a pipeline's stages: each on its own device; the
-        # draft's beside the last stage)
-        device_of = {g.pool: (draft if part == "draft" and draft is not None else target).pool_device_of(g.pool)
-                     for part, groups in self.groups.items() for g in groups}
-        storages = {device: pool_arrays(manifest.dtype, device) for device in dict.fromkeys(device_of.values())}
-        storage = {pool: storages[device] for pool, device in device_of.items()}
-        # By default: the caches of max_batch sequences of max_seq_len tokens, but never more than half of the
-        # memory the pools live in: the host's, or what each GPU has free beside the weights (an engine.json cannot
-        # make the runtime promise memory it does not have, and device pools are allocated whole). The budget
-        # pays for a slot of every part per batch row first, then for as many blocks as it holds.
-        cap = max_cache_bytes if max_cache_bytes is not None else \
-            _memory_cap(storages, device_of, self.groups, max_seq_len)
-        self.budget = min(max_batch * self.cache_bytes(max_seq_len), cap) if max_cache_bytes is None else cap
-        # Never more blocks than max_batch sequences of max_seq_len can use (nor than a shape-specialized engine's
-        # profiles take, which stop there), and at least one where there are growing groups.
-        layout = manifest.caches["target"]
-        blocks = min(max(1, (self.budget - max_batch * self.cache_bytes(0)) // layout.block_bytes),
-                     max_batch * layout.table_blocks(max_seq_len)) if layout.block_bytes else 0
-        # A session of static shapes (MIGraphX's programs) takes pools of its own sizes and no other: they must fit
-        # the budget given, or half of the memory they live in, and are then the budget
-        sessions = {"target": target, "draft": draft}
-        fixed = {part: (sessions[part].pool_shape if sessions[part] is not None else None) or {}
-                 for part in manifest.caches}
-        fixed_bytes = sum(fixed[part].get("pool_slots", 0) * manifest.caches[part].slot_bytes
-                          + fixed[part].get("pool_blocks", 0) * manifest.caches[part].block_bytes for part in fixed)
-        if fixed_bytes > cap:
-            raise V4EngineError(f"this engine's programs take cache pools of {fixed_bytes / 2**30:.2f} GiB "
-                                f"(max_batch x max_seq_len as built), more than the cache budget of "
-                                f"{cap / 2**30:.2f} GiB; "
-                                "rebuild it with a smaller --max-batch or --max-seq-len")
-        self.budget = fixed_bytes or self.budget
-        self.pools = {part: CachePool(layout, fixed[part].get("pool_slots", max_batch),
-                                      fixed[part].get("pool_blocks", blocks if part == "target" else 0), storage)
-                      for part, layout in manifest.caches.items()}
-        # Snapshots (rings, and the streams a drafting fork recomputes its window from) live beside the pools: an
+        self.manifest, self.cfg = manifest, manifest.model
+        self.target_session, self.drafter = target, drafter
+        self.mtp = drafter.k if drafter is not None else 0
+        self.max_batch, self.max_seq_len, self.max_prefill_chunk = max_batch, max_seq_len, max_prefill_chunk
+        parts = drafter.parts if drafter is not None else {}
+        self.layouts = {TARGET: manifest.caches[TARGET]} | parts
+        sessions = {TARGET: target} | {part: drafter.session for part in parts}
+        plan = plan_pools(self.layouts, sessions, manifest.dtype, max_batch, max_seq_len, max_cache_bytes)
+        self.budget, self.pools = plan.budget, plan.pools
+        # Snapshots (rings, and what the drafter needs to rebuild its state at a fork) live beside the pools: an
         # eighth of the budget, but room for two per batch row at least (a wide model's rings are large against
         # a small budget: the slice's 3.4 MB snapshot against its 4.3 MB eighth kept one entry and never hit)
-        cfg = self.cfg
-        snapshot = PrefixEntry.bytes_for(manifest.caches["target"], (mtp > 0) * (cfg.sliding_window - 1),
-                                         cfg.hc_mult * cfg.hidden_size * np.dtype(self.dtype).itemsize)
-        self.prefix = PrefixCache(self.pools["target"], max(self.budget // 8, 2 * max_batch * snapshot)) \
+        snapshot = self.layouts[TARGET].slot_bytes + (drafter.snapshot_bytes() if drafter is not None else 0)
+        self.prefix = PrefixCache(self.pools[TARGET], max(self.budget // 8, 2 * max_batch * snapshot)) \
             if prefix_cache else None
+        self.calls = EngineCalls()
+        if drafter is not None:
+            drafter.bind({part: self.pools[part] for part in parts}, self.calls, self.prefix is not None)
         self.waiting: list[Request] = []
         self.active: list[Request] = []
         self._ids = itertools.count()
-        self.engine_steps = 0
-        # Called after every engine call with (graph, its input_ids shape, seconds): benchmarks time calls by kind
-        self.on_call: Callable[[str, tuple[int, ...], float], None] | None = None
+
+    @property
+    def engine_steps(self) -> int:
+        """Engine calls made so far (draft and target)."""
+        return self.calls.steps
+
+    @property
+    def draft_session(self) -> EngineSession | None:
+        """The draft graph's session, when the drafter calls one."""
+        return self.drafter.session if self.drafter is not None else None
 
     # ------------------------------------------------------------------ requests
     def cache_bytes(self, capacity: int, num_draft_tokens: int | None = None) -> int:
         """Bytes of every cache group one sequence of `capacity` tokens needs (engine.json's figures, rows
-        exactly); the draft layer's only for a sequence that drafts (`num_draft_tokens` per step, default the
-        scheduler's mtp)."""
-        parts = ["target"] + (["draft"] if (self.mtp if num_draft_tokens is None else num_draft_tokens) else [])
-        return sum(g.bytes_for(capacity) for part in parts for g in self.groups[part])
+        exactly); the drafter's only for a sequence that drafts (`num_draft_tokens` per step, default the
+        scheduler's k)."""
+        drafts = self.mtp if num_draft_tokens is None else num_draft_tokens
+        return sequence_bytes({part: layout for part, layout in self.layouts.items() if part == TARGET or drafts},
+                              capacity)
 
     def blocks_for(self, tokens: int) -> int:
         """Target blocks a sequence of `tokens` positions holds."""
-        return self.manifest.caches["target"].blocks_for(tokens)
+        return self.layouts[TARGET].blocks_for(tokens)
 
     def num_draft_tokens(self, params: SamplingParams) -> int:
-        """Draft tokens per step for a request: its num_draft_tokens, else the scheduler's mtp."""
+        """Draft tokens per step for a request: its num_draft_tokens, else the scheduler's k."""
         return self.mtp if params.num_draft_tokens is None else params.num_draft_tokens
+
+    def caches(self, r: Request) -> list[SequenceCache]:
+        """The cache sequences a request holds: its target's, and its drafter's."""
+        drafts = self.drafter.caches(r) if self.drafter is not None else []
+        return ([r.target] if r.target is not None else []) + drafts
 
     @property
     def used_bytes(self) -> int:
         """Cache bytes the running requests hold: their slots, and every block one of them reads (once)."""
-        pool = self.pools["target"]
-        caches = [c for r in self.active for c in (r.target, r.draft) if c is not None]
+        caches = [c for r in self.active for c in self.caches(r)]
         blocks = {b for c in caches for b in c.blocks}
-        return sum(c.pool.slot_bytes for c in caches) + len(blocks) * pool.block_bytes
+        return sum(c.pool.slot_bytes for c in caches) + len(blocks) * self.pools[TARGET].block_bytes
 
     def validate(self, prompt: list[int], params: SamplingParams) -> int:
         """Raise RequestError (a one-line reason) if the request cannot be served; else its cache capacity."""
@@ -216,7 +182,7 @@ class Scheduler:
                                f"{self.max_seq_len - 1} prompt tokens (max_seq_len {self.max_seq_len})")
         capacity = min(self.max_seq_len, len(prompt) + params.max_new_tokens + self.mtp + 1)
         need = self.cache_bytes(capacity, self.num_draft_tokens(params))
-        blocks, pool_blocks = self.blocks_for(capacity), len(self.pools["target"].refs)
+        blocks, pool_blocks = self.blocks_for(capacity), len(self.pools[TARGET].refs)
         if need > self.budget or blocks > pool_blocks:
             raise CapacityError(f"the request needs {need} bytes of cache ({blocks} blocks) for {capacity} tokens, "
                                 f"more than the budget of {self.budget} bytes ({pool_blocks} blocks)")
@@ -272,9 +238,8 @@ class Scheduler:
         new_tokens: dict[int, list[int]] = {}
         finished: list[Request] = []
         engine = 0.0
-        if self.mtp:
-            engine += self._draft([r for r in self.active
-                                   if r.phase == Phase.DECODE and r.num_draft_tokens and not r.drafts])
+        if self.drafter is not None:
+            engine += self.drafter.propose([r for r in self.active if r.phase == Phase.DECODE and r.num_draft_tokens])
         rows = [r for r in self.active if r.phase in (Phase.PREFILL, Phase.DECODE)]
         if rows:
             engine += self._target(rows, new_tokens)
@@ -308,24 +273,21 @@ class Scheduler:
             self.active.append(request)
 
     def _start(self, r: Request, entry: PrefixEntry | None) -> None:
-        """Give r its caches: empty, or forked from a prefix entry (its blocks shared, its rings copied, the draft
-        to recompute its window from the entry's streams)."""
+        """Give r its caches: empty, or forked from a prefix entry (its blocks shared, its rings copied, its
+        drafter's state rebuilt from the entry's snapshot)."""
         if entry is None:
-            r.target = SequenceCache(self.pools["target"])
+            r.target = SequenceCache(self.pools[TARGET])
         else:
             r.target = self.prefix.fork(entry)
             r.metrics.prefix_hit_tokens = max(r.metrics.prefix_hit_tokens, entry.length)
-        r.hidden_tail = entry.hidden if entry is not None else None
-        if r.num_draft_tokens:            # a request that does not draft needs no draft cache
-            recompute = len(entry.hidden) if entry is not None else 0
-            r.draft = SequenceCache(self.pools["draft"], length=r.target.length - recompute)
-            r.pending_hidden = [entry.hidden] if entry is not None else []
+        if self.drafter is not None:
+            self.drafter.start(r, entry.draft if entry is not None else None, r.target.length)
         r.phase = Phase.PREFILL
 
     def _free_blocks(self, need: int, keep: PrefixEntry | None = None) -> bool:
         """Whether the target pool has `need` free blocks, evicting prefix entries (other than `keep`) for them;
         none is evicted when evicting them all would not free enough."""
-        pool = self.pools["target"]
+        pool = self.pools[TARGET]
         if pool.free_blocks >= need:
             return True
         if self.prefix is None or pool.free_blocks + self.prefix.freeable(keep) < need:
@@ -361,11 +323,11 @@ class Scheduler:
         self.waiting.insert(0, r)
 
     def _release(self, r: Request) -> None:
-        for cache in (r.target, r.draft):
-            if cache is not None:
-                cache.release()
-        r.target = r.draft = r.hidden_tail = None
-        r.pending_hidden, r.drafts, r.draft_probs = [], [], []
+        if r.target is not None:
+            r.target.release()
+        if self.drafter is not None and r.draft_state is not None:
+            self.drafter.release(r)
+        r.target, r.proposal = None, None
 
     def _prefill_chunk(self, r: Request) -> list[int]:
         """r's next prefill tokens: up to max_prefill_chunk; with the prefix cache on (every chunk end is a snapshot
@@ -378,119 +340,64 @@ class Scheduler:
             end = aligned if aligned > start else end
         return context[start:end]
 
-    def _run(self, session: EngineSession, feeds: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], float]:
-        started = time.perf_counter()
-        out = session.run(feeds)
-        seconds = time.perf_counter() - started
-        self.engine_steps += 1
-        if self.on_call is not None:
-            self.on_call("draft" if session is self.draft_session else "target", feeds["input_ids"].shape, seconds)
-        return out, seconds
-
-    def _draft_call(self, requests: list[Request], hidden: list[np.ndarray], ids: list[list[int]], drafting: list[bool]
-                    ) -> tuple[dict[str, np.ndarray], float]:
-        """One draft-cycle call: the extend rows of each request, and its k drafts. Sampling rows that draft in this
-        call (`drafting`: the chunk is their last) get their uniform numbers from their own generator."""
-        S, B, K = max(len(t) for t in ids), len(requests), self.manifest.mtp
-        N, D = self.cfg.hc_mult, self.cfg.hidden_size
-        h = np.zeros((B, S, N, D), self.dtype)
-        tok = np.zeros((B, S), np.int64)
-        uniforms = np.zeros((B, K), np.float32)
-        for b, (r, rows, t, draws) in enumerate(zip(requests, hidden, ids, drafting)):
-            h[b, : len(t)] = rows
-            tok[b, : len(t)] = t
-            if draws and not r.params.greedy:
-                uniforms[b, : r.num_draft_tokens] = r.rng.random(r.num_draft_tokens)
-        params = [r.params for r in requests]
-        feeds = {"hidden": h, "input_ids": tok,
-                 "positions": np.array([r.draft.length for r in requests])[:, None] + np.arange(S),
-                 "lengths": np.array([len(t) for t in ids], np.int64),
-                 "temperature": np.array([p.temperature for p in params], np.float32),
-                 "top_k": np.array([min(p.top_k, self.cfg.vocab_size) for p in params], np.int64),
-                 # in float32 a top_p as small as 1e-300 must not become 0 (which would keep no token)
-                 "top_p": np.maximum(np.array([p.top_p for p in params], np.float32), np.finfo(np.float32).tiny),
-                 "uniforms": uniforms,           # float32 may round u up to 1: the graph's draw takes u = 1 too
-                 **self.pools["draft"].feeds([r.draft for r in requests])}
-        return self._run(self.draft_session, feeds)
-
-    def _deltas(self, out: dict[str, np.ndarray], part: str, b: int) -> dict[str, np.ndarray]:
-        return {g.pool: out[g.new][b] for g in self.groups[part]}
-
-    def _draft(self, requests: list[Request]) -> float:
-        """One draft cycle per request: DRAFT-EXTEND over the newly committed positions and the recursive steps,
-        in one engine call (more only when the extend is longer than a prefill chunk). Each request keeps its own
-        num_draft_tokens of the engine's k drafts, and, when it samples, the distributions they were drawn from."""
-        if not requests:
-            return 0.0
-        hidden = {r.id: np.concatenate(r.pending_hidden) for r in requests}
-        ids = {r.id: r.tokens[r.draft.length + 1: r.target.length + 1] for r in requests}
-        engine, chunk = 0.0, self.max_prefill_chunk
-        for start in range(0, max(map(len, ids.values())), chunk):      # in chunks, as the target prefills
-            rows = [r for r in requests if len(ids[r.id]) > start]
-            last = [len(ids[r.id]) <= start + chunk for r in rows]
-            out, t = self._draft_call(rows, [hidden[r.id][start: start + chunk] for r in rows],
-                                      [ids[r.id][start: start + chunk] for r in rows], last)
-            engine += t
-            for b, (r, drafting) in enumerate(zip(rows, last)):
-                r.draft.commit(self._deltas(out, "draft", b), len(ids[r.id][start: start + chunk]))
-                if drafting:
-                    r.drafts = [int(d) for d in out["drafts"][b, : r.num_draft_tokens]]
-                    if not r.params.greedy:
-                        r.draft_probs = list(out["draft_probs"][b, : r.num_draft_tokens])
-        for r in requests:
-            r.pending_hidden = []
-        return engine
-
+    # ------------------------------------------------------------------ the target call
     def _target(self, rows: list[Request], new_tokens: dict[int, list[int]]) -> float:
-        """One target call: a prefill chunk or [t, d1..dk] per row; then acceptance and commit."""
-        inputs = []
-        for r in rows:
-            if r.phase == Phase.PREFILL:
-                inputs.append(self._prefill_chunk(r))
-            else:
-                room = r.capacity - r.target.length - 1          # a verify never commits past the cache's capacity
-                r.drafts, r.draft_probs = r.drafts[:room], r.draft_probs[:room]
-                inputs.append([r.tokens[-1]] + r.drafts)
+        """One target call: a prefill chunk or [t, d1..dk] per row; then each row's commit by its phase."""
+        inputs = [self._prefill_chunk(r) if r.phase == Phase.PREFILL else self._verify_input(r) for r in rows]
         S = max(len(x) for x in inputs)
-        ids = np.zeros((len(rows), S), np.int64)
+        ids = np.zeros((len(rows), S), np.int64)                                          # [B, S]
         for b, x in enumerate(inputs):
             ids[b, : len(x)] = x
-        positions = np.array([r.target.length for r in rows])[:, None] + np.arange(S)
-        feeds = {"input_ids": ids, "positions": positions, **self.pools["target"].feeds([r.target for r in rows])}
-        out, engine = self._run(self.target_session, feeds)
+        positions = np.array([r.target.length for r in rows])[:, None] + np.arange(S)     # [B, S]
+        feeds = {"input_ids": ids, "positions": positions, **self.pools[TARGET].feeds([r.target for r in rows])}
+        out, engine = self.calls.run(self.target_session, feeds, Call.VERIFY if S <= self.mtp + 1 else Call.PREFILL)
         for b, (r, x) in enumerate(zip(rows, inputs)):
-            deltas = self._deltas(out, "target", b)
-            logits, hidden = out["logits"][b, : len(x)], out["hidden"][b, : len(x)]
             if r.phase == Phase.PREFILL:
-                r.target.commit(deltas, len(x))
-                if r.num_draft_tokens:                          # the draft layer reads these streams
-                    r.pending_hidden.append(hidden)
-                if self.prefix is not None:
-                    if self.mtp:                                # a snapshot's streams for a drafting fork
-                        window = self.cfg.sliding_window - 1
-                        r.hidden_tail = hidden[-window:] if r.hidden_tail is None else \
-                            np.concatenate([r.hidden_tail, hidden])[-window:]
-                    self.prefix.insert(r.context, r.target, r.hidden_tail if self.mtp else hidden[:0])
-                if r.target.length == len(r.context):
-                    r.phase = Phase.DECODE
-                    if not r.generated:                         # not a preempted request's recomputation
-                        r.metrics.time_to_first_token = time.perf_counter() - r.arrival
-                        self._emit(r, [self._sample(r, logits[-1])], new_tokens)
-                continue
-            drafts = r.drafts
-            if r.params.greedy:
-                accepted, token = accept_greedy(logits, drafts)
+                self._commit_prefill(r, out, b, len(x), new_tokens)
             else:
-                q = np.array(r.draft_probs).reshape(len(drafts), logits.shape[-1])
-                accepted, token = accept_sampled(distribution(logits, r.params), q, drafts, r.rng)
-            if drafts:
-                r.metrics.record_verify(len(drafts), accepted)
-            r.target.commit(deltas, accepted + 1)
-            if r.num_draft_tokens:
-                r.pending_hidden.append(hidden[: accepted + 1])
-            r.drafts, r.draft_probs = [], []
-            self._emit(r, drafts[:accepted] + [token], new_tokens)
+                self._verify(r, out, b, new_tokens)
         return engine
+
+    def _verify_input(self, r: Request) -> list[int]:
+        """[t, d1..dj]: the last token and the drafts, trimmed so a verify never commits past the cache's capacity."""
+        room = r.capacity - r.target.length - 1
+        r.proposal = (r.proposal or Proposal([])).trimmed(room)
+        return [r.tokens[-1]] + r.proposal.tokens
+
+    def _commit_prefill(self, r: Request, out: dict[str, Any], b: int, n: int, new_tokens: dict[int, list[int]]
+                        ) -> None:
+        """Commit a prefill chunk of n positions (and take a prefix snapshot there); after the last, sample the
+        first token (not for a preempted request recomputing: its next token is already known)."""
+        self._commit(r, out, b, n, prefill=True)
+        if self.prefix is not None:
+            self.prefix.insert(r.context, r.target, self.drafter.snapshot(r) if self.drafter is not None else None)
+        if r.target.length == len(r.context):
+            r.phase = Phase.DECODE
+            if not r.generated:
+                r.metrics.time_to_first_token = time.perf_counter() - r.arrival
+                self._emit(r, [self._sample(r, out["logits"][b, n - 1])], new_tokens)
+
+    def _verify(self, r: Request, out: dict[str, Any], b: int, new_tokens: dict[int, list[int]]) -> None:
+        """Accept j of the drafts and one more token (greedy, or lossless rejection sampling against the
+        distributions the drafts were drawn from); commit the j + 1 positions whose inputs were right."""
+        drafts = r.proposal.tokens
+        logits = out["logits"][b, : len(drafts) + 1]                                      # [j + 1, V]
+        if r.params.greedy:
+            accepted, token = accept_greedy(logits, drafts)
+        else:
+            q = r.proposal.distributions(logits.shape[-1])                               # [j, V]
+            accepted, token = accept_sampled(distribution(logits, r.params), q, drafts, r.rng)
+        if drafts:
+            r.metrics.record_verify(len(drafts), accepted)
+        self._commit(r, out, b, accepted + 1, prefill=False)
+        r.proposal = None
+        self._emit(r, drafts[:accepted] + [token], new_tokens)
+
+    def _commit(self, r: Request, out: dict[str, Any], b: int, n: int, prefill: bool) -> None:
+        """Write row b's first n new positions into r's target cache, and show them to the drafter."""
+        r.target.commit({g.pool: out[g.new][b] for g in self.layouts[TARGET].groups}, n)
+        if self.drafter is not None:
+            self.drafter.observe(r, {name: out[name][b] for name in self.drafter.reads}, n, prefill)
 
     def _sample(self, r: Request, logits: np.ndarray) -> int:
         if r.params.greedy:

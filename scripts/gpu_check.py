@@ -11,7 +11,7 @@ scripts/gpu_check.sh runs first and hands over as JUnit XML (--tests).
     slots from whatever follows TensorRT's argument array, so this launch fills them with an invalid address, and a
     kernel that used them would fault here instead of working by accident (compile_plan refuses kernels that need
     scratch memory). Split attention runs both plans with the fp32 partials buffer the torch launcher allocates.
-    The inputs are (a)'s (v4engine.plugins.kernels.numerics) at the catalog's own B and S; the plans built from them
+    The inputs are (a)'s (v4engine.testkit.numerics) at the catalog's own B and S; the plans built from them
     must equal the catalog's, and the outputs pass (a)'s verdict. Each row notes its kernels' registers, local
     memory (spills) and shared memory.
 (c) Timing, decode at 64K context (V4-Flash: HCA rows 65536/128 = 512, CSA rows 65536/4 = 16384 with top-k 512,
@@ -72,10 +72,10 @@ from v4engine.plugins.kernels.aot import HIDDEN_PARAMS, resource_usage
 from v4engine.plugins.kernels.launch import LaunchPlan, compile_plan
 from v4engine.plugins.kernels.moe import BLOCK_T as MOE_BLOCK_T
 from v4engine.plugins.kernels.moe import max_blocks
-from v4engine.plugins.kernels.numerics import (ATTENTION, INDEXER, MOE, OPS, Draw, as_fp32, context, judge, kernel,
+from v4engine.plugins.tensorrt.plugins import device_target
+from v4engine.testkit.numerics import (ATTENTION, INDEXER, MOE, OPS, Draw, as_fp32, context, judge, kernel,
                                                make_inputs, op_attrs, plan_function, query_positions, reference,
                                                tensors)
-from v4engine.plugins.tensorrt.plugins import device_target
 
 TIMING_BATCHES = (1, 8, 64, 128)
 HBM_PEAK_GBPS = 4800.0             # H200 SXM datasheet
@@ -92,7 +92,7 @@ class Row:
     check: str                     # a test file's name (kernels, tensorrt), aot, bandwidth or time
     case: str
     ok: bool | None = None
-    error: float | None = None     # (a)'s verdict: see v4engine.plugins.kernels.numerics
+    error: float | None = None     # (a)'s verdict: see v4engine.testkit.numerics
     limit: float | None = None
     kernel_ms: float | None = None
     aot_ms: float | None = None
@@ -453,14 +453,14 @@ def pool_config(dry_run: bool) -> Any:
     """V4-Flash's config (builder/release.py), or the tiny one for the dry run."""
     from v4engine.builder.release import RELEASES
     from v4engine.builder.tiny import TINY_CONFIGS
-    from v4engine.runtime.config import V4Config
+    from v4engine.contract.config import V4Config
 
     return V4Config.from_dict(TINY_CONFIGS["flash_like"] if dry_run else RELEASES["v4-flash"][0])
 
 
 def commit_step(pool: Any, caches: list, n: int, rows: Callable[[Any, int], Any]) -> None:
     """Every sequence commits n positions, each group's delta `rows(group, count)` (as a graph emits them)."""
-    from v4engine.runtime.layout import closed_windows
+    from v4engine.contract.layout import closed_windows
 
     for cache in caches:
         cache.reserve(cache.length + n)
@@ -471,11 +471,11 @@ def commit_step(pool: Any, caches: list, n: int, rows: Callable[[Any, int], Any]
 
 def check_pools(report: Report, device: torch.device, dry_run: bool) -> None:
     from v4engine.runtime.cache import CachePool, SequenceCache
-    from v4engine.runtime.layout import CacheLayout
+    from v4engine.contract.layout import CacheLayout
     from v4engine.runtime.pool_arrays import DeviceArrays, HostArrays, to_numpy
 
     cfg = pool_config(dry_run)
-    layout = CacheLayout(cfg, draft=False, value_bytes=2)
+    layout = CacheLayout.target(cfg, value_bytes=2)
     context = 8 * layout.block_tokens if dry_run else POOL_CONTEXT
     per_sequence = layout.table_blocks(context)
 

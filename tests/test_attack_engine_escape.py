@@ -16,7 +16,7 @@ import onnx
 import pytest
 
 from hostile import assert_never_shown, assert_one_line, files_opened, snapshot, v4generate
-from v4engine.runtime.engine import EngineFormatError
+from v4engine.contract.engine import EngineFormatError
 from v4engine.runtime.generator import Generator
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from v4engine.builder import build as build_module
 from v4engine.builder.cli import main as v4build_main
-from v4engine.runtime import staging
+from v4engine.contract import staging
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,8 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from hostile import assert_one_line
-from v4engine.runtime.config import SIZE_BOUNDS
-from v4engine.runtime.engine import EngineFormatError, EngineManifest
+from v4engine.contract.config import SIZE_BOUNDS
+from v4engine.contract.engine import EngineFormatError, EngineManifest
 
 MAX_RSS_MIB = 1024
 # The CLI, then its own peak (VmHWM: this process image's high-water mark) into the file argv[1]. The rusage of a

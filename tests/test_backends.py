@@ -20,9 +20,9 @@ import pytest
 
 from v4engine.builder.build import BuildOptions, build
 from v4engine.builder.cli import build_parser
-from v4engine.runtime.backends import BACKENDS, CompileRecord
-from v4engine.runtime.engine import EngineManifest
-from v4engine.runtime.engine_folder import EngineFormatError
+from v4engine.contract.backends import BACKENDS, CompileRecord
+from v4engine.contract.engine import EngineManifest
+from v4engine.contract.engine_folder import EngineFormatError
 from v4engine.runtime.sessions import EngineSession
 
 pytestmark = pytest.mark.xdist_group("backends")

@@ -12,9 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from v4engine.runtime.buckets import call_dims, choose_bucket, cut, padded, profile_buckets
-from v4engine.runtime.layout import TensorSpec
-from v4engine.runtime.profiles import Profile, ProfileError
+from v4engine.contract.buckets import call_dims, choose_bucket, profile_buckets
+from v4engine.contract.layout import TensorSpec
+from v4engine.contract.profiles import Profile, ProfileError
+from v4engine.runtime.static_calls import cut, padded
 
 INPUTS = [TensorSpec("input_ids", "int64", ("batch", "seq")), TensorSpec("positions", "int64", ("batch", "seq")),
           TensorSpec("block_table", "int64", ("batch", "blocks")),

@@ -19,7 +19,7 @@ from v4engine.builder.build import BuildOptions, build
 from v4engine.builder.checkpoint import Checkpoint
 from v4engine.builder.load import load_model
 from v4engine.builder.model import ModelState
-from v4engine.runtime.engine import EngineManifest
+from v4engine.contract.engine import EngineManifest
 from v4engine.runtime.sessions import open_session
 
 

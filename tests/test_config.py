@@ -6,8 +6,8 @@ import json
 import pytest
 
 from v4engine.builder.tiny import TINY_CONFIGS, hf_config
-from v4engine.runtime.config import CSA, HCA, SLIDING, V4Config
-from v4engine.runtime.errors import ConfigError
+from v4engine.contract.config import CSA, HCA, SLIDING, V4Config
+from v4engine.contract.errors import ConfigError
 
 # The published V4-Flash config.json (docs/model.md §9.4), official form.
 FLASH = {

@@ -25,9 +25,9 @@ import pytest
 import torch
 
 from v4engine.builder.build import BuildError, BuildOptions, build, control_flow
-from v4engine.runtime.cuda_graphs import CAPTURED_CALLS
-from v4engine.runtime.engine import EngineManifest
-from v4engine.runtime.engine_folder import EngineFormatError
+from v4engine.contract.calls import CAPTURED_CALLS
+from v4engine.contract.engine import EngineManifest
+from v4engine.contract.engine_folder import EngineFormatError
 from v4engine.runtime.generator import Generator
 from v4engine.runtime.sampling import SamplingParams
 from v4engine.runtime.sessions import open_session

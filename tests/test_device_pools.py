@@ -126,12 +126,13 @@ def test_bf16_crosses_between_numpy_and_torch_exactly():
 def test_each_part_keeps_its_pools_where_its_session_reads_them(engine):
     """Target pools on the device, the draft's on the host: each pool is allocated where the session that reads it
     keeps pools (as a pipeline's stages each keep theirs), and the tokens are those of host pools."""
+    from v4engine.runtime.drafters import MtpDrafter
     from v4engine.runtime.pool_arrays import DeviceArrays, HostArrays
     from v4engine.runtime.scheduler import Scheduler
 
     device, host = Generator.from_engine_dir(engine, mtp=3, device_pools=True), Generator.from_engine_dir(engine, mtp=3)
-    scheduler = Scheduler(device.manifest, device.scheduler.target_session, host.scheduler.draft_session, 3,
-                          max_batch=2, max_seq_len=128)
+    drafter = MtpDrafter(device.manifest, host.scheduler.draft_session, 3, max_prefill_chunk=512)
+    scheduler = Scheduler(device.manifest, device.scheduler.target_session, drafter, max_batch=2, max_seq_len=128)
     for part, storage in (("target", DeviceArrays), ("draft", HostArrays)):
         assert all(isinstance(s, storage) for s in scheduler.pools[part].storage_of.values()), part
     mixed = Generator(engine, device.manifest, scheduler)

@@ -13,7 +13,7 @@ from v4engine.builder.load import load_model
 from v4engine.builder.model import ModelState
 from v4engine.builder.model.drafting import draft_cycle
 from v4engine.builder.tiny import TINY_CONFIGS
-from v4engine.runtime.engine import EngineManifest
+from v4engine.contract.engine import EngineManifest
 from v4engine.runtime.sessions import open_session
 
 TOL = 1e-4

@@ -19,10 +19,10 @@ from hypothesis import strategies as st
 
 from v4engine.builder.checkpoint import SAFETENSORS_DTYPES, Checkpoint, CheckpointError
 from v4engine.builder.tiny import TINY_CONFIGS
-from v4engine.runtime.config import V4Config
-from v4engine.runtime.engine import EngineFormatError, EngineManifest
-from v4engine.runtime.errors import ConfigError
-from v4engine.runtime.layout import CacheLayout
+from v4engine.contract.config import V4Config
+from v4engine.contract.engine import EngineFormatError, EngineManifest
+from v4engine.contract.errors import ConfigError
+from v4engine.contract.layout import CacheLayout
 
 LIMIT = 1 << 30
 BUDGET = settings(max_examples=150, deadline=None, derandomize=True,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from v4engine.runtime.engine import EngineFormatError
+from v4engine.contract.engine import EngineFormatError
 from v4engine.runtime.generator import Generator
 
 

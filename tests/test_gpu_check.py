@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("triton")
 
 from v4engine.plugins.kernels import catalog  # noqa: E402
-from v4engine.plugins.kernels.numerics import OPS, Draw, make_inputs, query_positions  # noqa: E402
+from v4engine.testkit.numerics import OPS, Draw, make_inputs, query_positions  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DRIVER = ROOT / "scripts" / "gpu_check.py"

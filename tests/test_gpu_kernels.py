@@ -1,5 +1,5 @@
 """(a) of the GPU check: every op of plugins/kernels through its torch launcher against its fp32 PyTorch reference,
-on inputs shaped like the model's caches, with the verdict of v4engine.plugins.kernels.numerics.
+on inputs shaped like the model's caches, with the verdict of v4engine.testkit.numerics.
 
 Sizes from catalog.SIZES: "tiny" (fp32, odd dims: masks and padding) runs everywhere, in Triton's interpreter
 without a GPU; "v4-flash" (bf16, 512-d heads, 64 query heads on one key head, top-k 512 of 16384 CSA rows) needs a
@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("triton")
 
 from v4engine.plugins.kernels import catalog  # noqa: E402
-from v4engine.plugins.kernels.numerics import (ATTENTION, EXACT_INDEXER_SCALE, OPS, Draw, Verdict,  # noqa: E402
+from v4engine.testkit.numerics import (ATTENTION, EXACT_INDEXER_SCALE, OPS, Draw, Verdict,  # noqa: E402
                                                as_fp32, judge, kernel, make_inputs, op_attrs, query_positions,
                                                reference)
 

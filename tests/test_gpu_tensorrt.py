@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from v4engine.builder.backends.compare import compare_with_onnxruntime
 from v4engine.builder.build import BuildOptions, build
+from v4engine.testkit.compare import compare_with_onnxruntime
 
 TENSORRT_ATOL = 1e-3
 

@@ -7,7 +7,7 @@ import torch
 from v4engine.builder.load import load_model
 from v4engine.builder.model import ModelState
 from v4engine.builder.tiny import TINY_CONFIGS
-from v4engine.runtime.config import CSA, HCA
+from v4engine.contract.config import CSA, HCA
 
 TOL = 1e-4
 

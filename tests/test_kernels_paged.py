@@ -15,10 +15,10 @@ import torch
 pytest.importorskip("triton")
 
 from v4engine.plugins.kernels import catalog  # noqa: E402
-from v4engine.plugins.kernels.numerics import (PAGED, Draw, as_fp32, dense_inputs, judge, kernel,  # noqa: E402
-                                               make_inputs, op_attrs, query_positions, reference)
 from v4engine.plugins.kernels.paging import page, split_paged  # noqa: E402
 from v4engine.plugins.paging import PagedRows  # noqa: E402
+from v4engine.testkit.numerics import (PAGED, Draw, as_fp32, dense_inputs, judge, kernel,  # noqa: E402
+                                               make_inputs, op_attrs, query_positions, reference)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TINY = catalog.SIZES["tiny"]

@@ -11,21 +11,22 @@ import pytest
 from v4engine.builder.model.v4 import LayerTensors
 from v4engine.builder.release import RELEASES
 from v4engine.builder.tiny import TINY_CONFIGS
-from v4engine.runtime.config import CSA, HCA, V4Config
-from v4engine.runtime.layout import (CacheLayout, closed_windows, emitted_rows, graph_specs, open_window_tokens,
+from v4engine.contract.config import CSA, HCA, V4Config
+from v4engine.contract.drafting import MTP
+from v4engine.contract.layout import (CacheLayout, closed_windows, emitted_rows, target_specs, open_window_tokens,
                                      state_tokens)
 
 FLASH = V4Config.from_dict(RELEASES["v4-flash"][0])
 
 
 def test_cache_accounting_of_flash():
-    layout = CacheLayout(FLASH, draft=False, value_bytes=2)
+    layout = CacheLayout.target(FLASH, value_bytes=2)
     groups = layout.groups
     # growth per token: 21 CSA layers * (512 + 128) / 4 + 20 HCA layers * 512 / 128 = 3440 values (docs/model.md)
     assert sum(g.bytes_per_token for g in groups) == 3440 * 2
     windows = [g for g in groups if g.name == "window_kv"]
     assert len(windows) == 43 and all(g.rows_fixed == 127 for g in windows)
-    draft = CacheLayout(FLASH, draft=True, value_bytes=2).groups
+    draft = MTP.layout(FLASH, value_bytes=2).groups
     assert [(g.layer, g.name, g.kind, g.rows_fixed, g.bytes_per_token) for g in draft] == [
         (43, "window_kv", "mtp", 127, 0.0)]
     csa_state = next(g for g in groups if g.name == "compressor_kv" and g.kind == CSA)
@@ -41,7 +42,7 @@ def test_cache_accounting_of_flash():
 @pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
 def test_the_eager_model_holds_a_field_for_every_group(name):
     cfg = V4Config.from_dict(TINY_CONFIGS[name])
-    names = {g.name for draft in (False, True) for g in CacheLayout(cfg, draft).groups}
+    names = {g.name for layout in (CacheLayout.target(cfg), MTP.layout(cfg)) for g in layout.groups}
     assert names <= {f.name for f in fields(LayerTensors)}
 
 
@@ -49,8 +50,8 @@ def test_the_eager_model_holds_a_field_for_every_group(name):
 def test_the_graphs_read_and_write_every_group_by_its_name(name):
     cfg = V4Config.from_dict(TINY_CONFIGS[name])
     for draft in (False, True):
-        inputs, outputs = graph_specs(cfg, draft, mtp=3)
-        layout = CacheLayout(cfg, draft)
+        inputs, outputs = MTP.graph_specs(cfg, "float32", 3) if draft else target_specs(cfg)
+        layout = MTP.layout(cfg) if draft else CacheLayout.target(cfg)
         assert [s.name for s in inputs if s.name.startswith("pool.")] == [g.pool for g in layout.groups]
         assert [s.name for s in outputs if s.name.startswith("new.")] == [g.new for g in layout.groups]
         assert ("block_table" in {s.name for s in inputs}) == (not draft) == layout.paged

@@ -24,16 +24,16 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from v4engine.builder.backends.compare import compare_with_onnxruntime
 from v4engine.builder.backends.migraphx import MIGraphXCheckError, allowlist, check, compile_programs, offenders
 from v4engine.builder.build import BuildOptions, build
-from v4engine.runtime.backends import Program
-from v4engine.runtime.engine import EngineManifest
-from v4engine.runtime.engine_folder import EngineFormatError
-from v4engine.runtime.errors import V4EngineError
+from v4engine.contract.backends import Program
+from v4engine.contract.engine import EngineManifest
+from v4engine.contract.engine_folder import EngineFormatError
+from v4engine.contract.errors import V4EngineError
 from v4engine.runtime.generator import Generator
 from v4engine.runtime.sampling import SamplingParams
 from v4engine.runtime.sessions import open_session
+from v4engine.testkit.compare import compare_with_onnxruntime
 
 pytestmark = pytest.mark.xdist_group("migraphx_backend")
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from v4engine.builder.oracle import load_transformers, transformers_logits
 from v4engine.builder.load import load_model
 from v4engine.builder.model import ModelState
-from v4engine.runtime.config import CSA, HCA
+from v4engine.contract.config import CSA, HCA
+from v4engine.testkit.oracle import load_transformers, transformers_logits
 
 TOL = 1e-4
 # per config: a length past the window with several compressed rows and more CSA rows than index_topk
@@ -38,7 +38,7 @@ def test_the_tiny_configs_cover_what_they_must(pair):
 
 def test_every_layer_kind_moe_kind_and_split_groups_are_covered():
     from v4engine.builder.tiny import TINY_CONFIGS
-    from v4engine.runtime.config import V4Config
+    from v4engine.contract.config import V4Config
 
     cfgs = [V4Config.from_dict(raw) for raw in TINY_CONFIGS.values()]
     assert {k for c in cfgs for k in c.layer_types} == {"sliding_attention", CSA, HCA}

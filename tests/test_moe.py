@@ -7,16 +7,16 @@ import pytest
 import torch
 
 from v4engine.builder.build import BuildOptions, build
+from v4engine.builder.checkpoint import quantize_fp8_block, quantize_mxfp4
 from v4engine.builder.load import load_model
 from v4engine.builder.model import ModelState
 from v4engine.builder.model.v4 import MoE
-from v4engine.builder.oracle import oracle_accepted_counts
 from v4engine.builder.tiny import TINY_CONFIGS
-from v4engine.builder.checkpoint import quantize_fp8_block, quantize_mxfp4
+from v4engine.contract.config import V4Config
 from v4engine.plugins.moe import (decode_fp8, decode_mxfp4, fp8_routed_experts, mxfp4_routed_experts, routed_experts,
                                   swiglu)
 from v4engine.runtime import Generator, SamplingParams
-from v4engine.runtime.config import V4Config
+from v4engine.testkit.oracle import oracle_accepted_counts
 
 from test_ops import run_onnx
 

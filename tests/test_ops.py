@@ -9,10 +9,10 @@ import torch
 from onnx import helper
 
 from v4engine.plugins import DOMAIN, OPSET, PLUGIN_OPS, onnx_functions
-from v4engine.plugins.sinkhorn import hc_sinkhorn
 from v4engine.plugins.attention import csa_attention, hca_attention, sliding_attention
 from v4engine.plugins.compressor import csa_compress, hca_compress
 from v4engine.plugins.indexer import indexer_topk
+from v4engine.plugins.sinkhorn import hc_sinkhorn
 
 TOL = 1e-5
 _DTYPES = {torch.float32: onnx.TensorProto.FLOAT, torch.int64: onnx.TensorProto.INT64, torch.int8: onnx.TensorProto.INT8}

@@ -13,23 +13,24 @@ import numpy as np
 import pytest
 import torch
 
-from v4engine.builder.backends.compare import compare_with_onnxruntime
 from v4engine.builder.build import BuildError, BuildOptions, build
 from v4engine.builder.load import open_checkpoint
 from v4engine.builder.stages import ModelBytes, StageError, model_bytes, plan_stages
-from v4engine.runtime.backends import BACKENDS
+from v4engine.contract.backends import BACKENDS
+from v4engine.contract.engine import EngineManifest
+from v4engine.contract.engine_folder import EngineFormatError
+from v4engine.contract.errors import V4EngineError
+from v4engine.contract.layout import STAGE_INPUT, CacheLayout
 from v4engine.runtime.cache import CachePool
-from v4engine.runtime.engine import EngineManifest
-from v4engine.runtime.engine_folder import EngineFormatError
-from v4engine.runtime.errors import V4EngineError
+from v4engine.runtime.drafters import MtpDrafter
 from v4engine.runtime.generator import Generator
-from v4engine.runtime.layout import STAGE_INPUT, CacheLayout
 from v4engine.runtime.pool_arrays import DeviceArrays, HostArrays
 from v4engine.runtime.sampling import RequestError, SamplingParams
 from v4engine.runtime.scheduler import Scheduler
 from v4engine.runtime.sessions import open_session, open_target
 from v4engine.runtime.sessions.onnxruntime import OnnxRuntimeSession
 from v4engine.runtime.sessions.pipeline import PipelineSession
+from v4engine.testkit.compare import compare_with_onnxruntime
 
 pytestmark = pytest.mark.xdist_group("pipeline")       # one worker builds the engines once
 
@@ -96,7 +97,7 @@ def test_engine_json_lists_the_stages(engines):
     assert [s["graph"] for s in raw] == ["target.0", "target.1", "target.2"]
     assert sum((s["layers"] for s in raw), []) == [0, 1, 2, 3]
     assert [s["draft"] for s in raw] == [None, None, "draft"]
-    layout = CacheLayout(manifest.model, False)
+    layout = CacheLayout.target(manifest.model)
     assert sum((s["cache_groups"] for s in raw), []) == [g.pool for g in layout.groups]
     assert all(s["bytes"] > 0 for s in raw)
     assert sorted(manifest.graphs) == ["draft", "target.0", "target.1", "target.2"]
@@ -107,7 +108,7 @@ def test_engine_json_lists_the_stages(engines):
     for graph in manifest.stage_graphs:      # each reads and writes only its own layers' pools
         stage = next(e.stage for e in manifest.stages if e.stage.graph == graph)
         pools = [n for n in names[graph][0] if n.startswith("pool.")]
-        assert pools == [g.pool for g in CacheLayout(manifest.model, False, layers=stage.layers).groups]
+        assert pools == [g.pool for g in CacheLayout.target(manifest.model, layers=stage.layers).groups]
 
 
 @pytest.mark.parametrize("damage, message", [
@@ -172,7 +173,8 @@ def test_each_stage_keeps_its_pools_where_its_session_reads_them(engines):
                     for graph, flag in zip(manifest.stage_graphs, (False, True)))
     target = PipelineSession([host, device])
     draft = open_session(engine, manifest, "draft", device_pools=True)
-    scheduler = Scheduler(manifest, target, draft, 3, max_batch=4, max_seq_len=256)
+    scheduler = Scheduler(manifest, target, MtpDrafter(manifest, draft, 3, max_prefill_chunk=512), max_batch=4,
+                          max_seq_len=256)
     pool = scheduler.pools["target"]
     for entry, storage in zip(manifest.stages, (HostArrays, DeviceArrays)):
         for group in entry.layout(manifest.model, 4).groups:

@@ -4,11 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from v4engine.builder.oracle import load_transformers, oracle_accepted_counts, oracle_greedy
 from v4engine.builder.load import load_model
 from v4engine.builder.tiny import TINY_CONFIGS
 from v4engine.runtime.generator import Generator
 from v4engine.runtime.sampling import SamplingParams
+from v4engine.testkit.oracle import load_transformers, oracle_accepted_counts, oracle_greedy
 
 GREEDY = SamplingParams(max_new_tokens=20, ignore_eos=True)
 # prompt lengths per config; the longest ends past index_topk compressed CSA rows

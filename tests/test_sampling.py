@@ -14,6 +14,7 @@ from v4engine.runtime.sampling import SamplingParams, accept_sampled, distributi
 
 N = 3000
 SHAPE = dict(temperature=1.0, top_k=6)
+GREEDY_20 = SamplingParams(max_new_tokens=20, ignore_eos=True)
 
 
 def test_accept_sampled_preserves_the_target_distribution_exactly():
@@ -34,10 +35,15 @@ def chi2_critical(df: int, z: float = 3.09) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-def test_first_two_sampled_tokens_follow_the_target_joint_distribution(tiny_engine):
+@pytest.mark.parametrize("drafter", ["mtp", "prompt_lookup"])
+def test_first_two_sampled_tokens_follow_the_target_joint_distribution(tiny_engine, drafter):
     checkpoint, engine = tiny_engine("mixed", agree=0.05)
     model = load_model(checkpoint, mtp=False)
     prompt = [5, 17, 99, 3, 42, 8, 61]
+    options = {"mtp": 3}
+    if drafter == "prompt_lookup":      # a prompt that repeats its n-grams: the target's own greedy cycle
+        cycle = Generator.from_engine_dir(engine, mtp=0).generate([prompt[:3]], GREEDY_20)[0].token_ids
+        prompt, options = prompt[:3] + cycle, {"drafter": "prompt_lookup", "mtp": 3}
     params = SamplingParams(max_new_tokens=2, ignore_eos=True, **SHAPE)
 
     def target_probs(seq: list[int]) -> np.ndarray:
@@ -50,7 +56,7 @@ def test_first_two_sampled_tokens_follow_the_target_joint_distribution(tiny_engi
     exact = {(a, b): p1[a] * pb for a in np.flatnonzero(p1) for b, pb in enumerate(target_probs(prompt + [a]))
              if pb > 0}
 
-    generator = Generator.from_engine_dir(engine, mtp=3, max_batch=64)
+    generator = Generator.from_engine_dir(engine, max_batch=64, **options)
     results = generator.generate([prompt] * N, [SamplingParams(max_new_tokens=2, ignore_eos=True, seed=s, **SHAPE)
                                                for s in range(N)])
     observed: dict[tuple[int, int], int] = {}

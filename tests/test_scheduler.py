@@ -64,7 +64,7 @@ def test_a_request_holds_a_slot_and_only_the_blocks_its_positions_need(engine):
     for r in requests:
         assert r.target.length == 10 and len(r.target.blocks) == -(-10 // block_tokens)
         assert r.target.nbytes == pool.slot_bytes + len(r.target.blocks) * pool.block_bytes
-    assert scheduler.used_bytes == sum(r.target.nbytes + r.draft.nbytes for r in requests)
+    assert scheduler.used_bytes == sum(c.nbytes for r in requests for c in scheduler.caches(r))
     # eight short requests hold a small part of a budget sized for eight of max_seq_len
     assert scheduler.used_bytes * 20 < scheduler.budget
     while scheduler.busy:
@@ -77,7 +77,7 @@ def test_a_request_that_does_not_draft_gets_no_draft_cache_and_is_charged_none(e
     scheduler = gen.scheduler
     plain = scheduler.submit(prompts(gen.manifest.model.vocab_size, [10])[0], SamplingParams(num_draft_tokens=0))
     scheduler.step()
-    assert plain.draft is None and plain.target.nbytes == scheduler.used_bytes
+    assert scheduler.caches(plain) == [plain.target] and plain.target.nbytes == scheduler.used_bytes
 
 
 def budget_for(gen: Generator, batch: int, blocks: int) -> int:

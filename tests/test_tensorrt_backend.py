@@ -28,23 +28,23 @@ import pytest
 import torch
 from onnx.reference import ReferenceEvaluator
 
-from v4engine.builder.backends.compare import compare_with_onnxruntime
 from v4engine.builder.backends.profiles import profiles
 from v4engine.builder.backends.tensorrt import build_plan, prepare_graph
 from v4engine.builder.build import BuildOptions, build
 from v4engine.builder.checkpoint import Checkpoint
 from v4engine.builder.weights import _Attacher
-from v4engine.runtime.backends import BACKENDS
+from v4engine.contract.backends import BACKENDS
+from v4engine.contract.backends import BuiltPlan
+from v4engine.contract.engine import EngineManifest
+from v4engine.contract.engine_folder import EngineFormatError
+from v4engine.contract.profiles import Profile, ProfileError, choose_profile
 from v4engine.plugins import AOT_OPS, DOMAIN, PLUGIN_OPS
 from v4engine.plugins.moe import decode_fp8, decode_mxfp4
-from v4engine.runtime.backends import BuiltPlan
-from v4engine.runtime.engine_folder import EngineFormatError
-from v4engine.runtime.sampling import RequestError
 from v4engine.runtime.generator import Generator
+from v4engine.runtime.sampling import RequestError
 from v4engine.runtime.sampling import SamplingParams
-from v4engine.runtime.engine import EngineManifest
-from v4engine.runtime.profiles import Profile, ProfileError, choose_profile
 from v4engine.runtime.sessions import open_session
+from v4engine.testkit.compare import compare_with_onnxruntime
 
 pytestmark = pytest.mark.xdist_group("tensorrt_backend")
 

@@ -29,15 +29,16 @@ import torch
 pytest.importorskip("triton")
 
 from v4engine.builder.build import add_functions                           # noqa: E402
-from v4engine.builder.export import export_graph                          # noqa: E402
+from v4engine.builder.export import export_draft, export_target            # noqa: E402
 from v4engine.builder.tiny import TINY_CONFIGS                            # noqa: E402
 from v4engine.builder.weights import serialize_without_data               # noqa: E402
+from v4engine.contract.config import V4Config                              # noqa: E402
+from v4engine.contract.drafting import MTP                                 # noqa: E402
 from v4engine.plugins import DOMAIN                                       # noqa: E402
 from v4engine.plugins import tensorrt as trt_plugins                      # noqa: E402
 from v4engine.plugins.kernels import aot, catalog                         # noqa: E402
 from v4engine.plugins.kernels.launch import compile_plan                  # noqa: E402
 from v4engine.plugins.tensorrt.plugins import OPS, define, device_target  # noqa: E402
-from v4engine.runtime.config import V4Config                              # noqa: E402
 
 
 
@@ -225,7 +226,8 @@ def graphs() -> dict[str, onnx.ModelProto]:
     cfg = V4Config.from_dict(TINY_CONFIGS["split_groups"], source="tiny config split_groups")
     out = {}
     for name, dtype in (("target", torch.bfloat16), ("draft", torch.float32)):
-        proto = serialize_without_data(export_graph(cfg, draft=name == "draft", dtype=dtype, mtp=3))
+        model = export_draft(cfg, MTP, 3, dtype=dtype) if name == "draft" else export_target(cfg, dtype=dtype)
+        proto = serialize_without_data(model)
         add_functions(proto)
         out[name] = proto
     out["stored experts"] = stored_experts_graph(experts=8, dim=256, inter=128, k=3)

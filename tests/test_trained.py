@@ -8,11 +8,11 @@ index_topk (16), so the ring, the compressors and the indexer all take part.
 from __future__ import annotations
 
 from conftest import TRAINED as CHECKPOINT
-from v4engine.builder.oracle import load_transformers, oracle_accepted_counts, oracle_greedy, transformers_copy
 from v4engine.builder.checkpoint import Checkpoint
 from v4engine.builder.load import load_model
 from v4engine.runtime.generator import Generator
 from v4engine.runtime.sampling import SamplingParams
+from v4engine.testkit.oracle import load_transformers, oracle_accepted_counts, oracle_greedy, transformers_copy
 
 PROMPTS = ['''import os
 

@@ -11,7 +11,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
 from v4engine.builder.cli import main as v4build
-from v4engine.runtime.errors import V4EngineError
+from v4engine.contract.errors import V4EngineError
 from v4engine.triton_repo import render
 
 MODELS = ("preprocessing", "v4_generate", "postprocessing", "ensemble")

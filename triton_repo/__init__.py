@@ -9,7 +9,8 @@ this package's `models/`; each rendered model.py only imports it, so the server'
 v4engine installed (and, for Triton 2.51's Python backend, numpy < 2). The engine directory is referenced by its
 absolute path in the configs' parameters, not copied. `gpu=True` renders the same contract with v4_generate on
 KIND_GPU instances (ONNX Runtime's CUDA provider), `gpus=[0, 1]` with each instance spanning those GPUs, one per
-pipeline stage of the engine (KIND_MODEL). server.py starts the Triton that the nvidia-pytriton wheel
+pipeline stage of the engine (KIND_MODEL). `drafter` and `mtp` choose the drafting method and the draft tokens per
+step, as Generator.from_engine_dir takes them. server.py starts the Triton that the nvidia-pytriton wheel
 bundles on a rendered repository.
 """
 from __future__ import annotations
@@ -17,10 +18,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 
-from v4engine.runtime.engine import EngineManifest
-from v4engine.runtime.errors import V4EngineError
-from v4engine.runtime.staging import Ours, check_destination, staged_folder
-from v4engine.runtime.stages import check_devices
+from v4engine.contract.engine import EngineManifest
+from v4engine.contract.errors import V4EngineError
+from v4engine.contract.stages import check_devices
+from v4engine.contract.staging import Ours, check_destination, staged_folder
+from v4engine.runtime.generator import drafter_tokens
 
 from .config import STEPS, Options, model_configs
 
@@ -47,13 +49,15 @@ class RenderError(V4EngineError):
 
 
 def render(engine_dir: str | Path, out: str | Path, *, gpu: bool = False, max_batch: int | None = None,
-           max_queue_size: int = 32, instance_count: int = 1, gpus: Sequence[int] = (), force: bool = False) -> Path:
+           max_queue_size: int = 32, instance_count: int = 1, gpus: Sequence[int] = (), drafter: str | None = None,
+           mtp: int | None = None, force: bool = False) -> Path:
     """Write the model repository for `engine_dir` to `out` and return `out`.
 
     max_batch: requests generating together (default: the largest batch the engine was built for);
     max_queue_size: requests that may wait for a batch slot; beyond that a request is refused at once;
     instance_count: v4_generate instances, each with its own scheduler and engine sessions;
-    gpus: the GPUs one instance spans, one per pipeline stage of the engine (v4build --pipeline-stages).
+    gpus: the GPUs one instance spans, one per pipeline stage of the engine (v4build --pipeline-stages);
+    drafter, mtp: the drafting method and draft tokens per step (default: the engine's own drafter and k).
     The repository is written to a temporary folder beside `out` and renamed at the end: a failure leaves
     nothing behind, and `force` replaces an existing `out` only then."""
     engine_dir, out = Path(engine_dir).resolve(), Path(out)
@@ -70,13 +74,17 @@ def render(engine_dir: str | Path, out: str | Path, *, gpu: bool = False, max_ba
             raise RenderError(f"{name} must be an integer {bound} (got {value!r})")
     if gpus:
         gpus = check_devices(gpus, len(manifest.stages), str(engine_dir), RenderError)
+    try:                                 # the model must open: checked here, not when Triton loads it
+        drafter_tokens(manifest, drafter, mtp, manifest.limits["max_prefill_chunk"], str(engine_dir))
+    except V4EngineError as e:
+        raise RenderError(str(e)) from None
     check_destination(out, force, REPOSITORY)
     if not out.parent.is_dir():
         raise RenderError(f"{out.parent}: no such folder")
     try:
         options = Options(engine_dir=str(engine_dir), max_seq_len=manifest.limits["max_seq_len"],
                           max_batch=max_batch, max_queue_size=max_queue_size, instance_count=instance_count, gpu=gpu,
-                          gpus=tuple(gpus))
+                          gpus=tuple(gpus), drafter=drafter, mtp=mtp)
         configs = model_configs(options)
     except ValueError as e:
         raise RenderError(f"{engine_dir}: cannot be written into a config.pbtxt: {e}") from None

@@ -43,6 +43,8 @@ class Options:
     instance_count: int = 1
     gpu: bool = False
     gpus: tuple[int, ...] = ()      # an instance spanning these GPUs, one per pipeline stage (KIND_MODEL)
+    drafter: str | None = None      # the drafting method (None: the engine's own)
+    mtp: int | None = None          # draft tokens per step (None: the drafter's default)
 
 
 # The settings a client may send, named as tensorrtllm_backend names them where it has the setting.
@@ -146,6 +148,8 @@ def python_model(model: Model, options: Options) -> mc.ModelConfig:
         values["max_seq_len"] = options.max_seq_len
     if generate:
         values.update(max_batch=options.max_batch, max_queue_size=options.max_queue_size)
+        values.update({name: value for name, value in (("drafter", options.drafter), ("mtp", options.mtp))
+                       if value is not None})
         if options.gpu or options.gpus:
             values["providers"] = "CUDAExecutionProvider,CPUExecutionProvider"
         if options.gpus:

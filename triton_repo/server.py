@@ -44,7 +44,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from v4engine.runtime.errors import V4EngineError
+from v4engine.contract.errors import V4EngineError
 
 HOST = "127.0.0.1"
 SHM = Path("/dev/shm")

@@ -14,8 +14,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from v4engine.runtime.backends import BACKENDS, CompileRecord
-from v4engine.runtime.engine import EngineManifest
+from v4engine.contract.backends import BACKENDS, CompileRecord
+from v4engine.contract.engine import EngineManifest
 
 if TYPE_CHECKING:
     import onnx

@@ -36,12 +36,12 @@ import onnx
 from onnx import inliner
 from tqdm import tqdm
 
-from v4engine.runtime.backends import MIGraphXCompiled, Program, Variant
-from v4engine.runtime.buckets import graph_buckets
-from v4engine.runtime.engine import EngineManifest
-from v4engine.runtime.engine_folder import EngineFolder
-from v4engine.runtime.errors import V4EngineError
-from v4engine.runtime.profiles import Profile
+from v4engine.contract.backends import MIGraphXCompiled, Program, Variant
+from v4engine.contract.buckets import graph_buckets
+from v4engine.contract.engine import EngineManifest
+from v4engine.contract.engine_folder import EngineFolder
+from v4engine.contract.errors import V4EngineError
+from v4engine.contract.profiles import Profile
 from v4engine.runtime.sessions.migraphx import parameter_type, weight_parameters
 
 from ..weights import use_stored_experts

@@ -18,12 +18,12 @@ import onnx
 import onnxruntime as ort
 from onnx import helper, numpy_helper
 
+from v4engine.contract.backends import OnnxRuntimeCompiled
+from v4engine.contract.calls import captured_calls
+from v4engine.contract.engine import EngineManifest
+from v4engine.contract.errors import V4EngineError
 from v4engine.plugins import DOMAIN
 from v4engine.plugins.moe import NAME as ROUTED_EXPERTS
-from v4engine.runtime.backends import OnnxRuntimeCompiled
-from v4engine.runtime.cuda_graphs import captured_calls
-from v4engine.runtime.errors import V4EngineError
-from v4engine.runtime.engine import EngineManifest
 from v4engine.runtime.sessions import open_session
 
 from .profiles import engine_profiles

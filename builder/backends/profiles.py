@@ -2,26 +2,27 @@
 runtime makes, decided from engine.json's build limits and recorded there, in the order the engine holds them."""
 from __future__ import annotations
 
-from v4engine.runtime.engine import EngineManifest, TensorSpec
-from v4engine.runtime.profiles import Profile
+from v4engine.contract.calls import target_calls
+from v4engine.contract.engine import EngineManifest, TensorSpec
+from v4engine.contract.profiles import Profile
+from v4engine.contract.stages import TARGET
 
 
 def profiles(manifest: EngineManifest, graph: str) -> list[Profile]:
-    """The runtime's calls of `graph` (runtime/scheduler.py), as optimization profiles.
+    """The runtime's calls of `graph` (contract/calls.py `Call`), as optimization profiles.
 
-    target (each pipeline stage): `prefill` (chunks of up to max_prefill_chunk tokens, verify rows riding along) and `verify`
-    (k+1 tokens per row: every decode step). draft: `extend` (a prompt's positions, in chunks) and `cycle` (the
-    1..k+1 positions a verify committed: every decode step); both then run the k draft steps. Batch
+    target (each pipeline stage): `prefill` (chunks of up to max_prefill_chunk tokens, verify rows riding along) and
+    `verify` (k+1 tokens per row: every decode step); the draft graph: its DraftSpec's calls (MTP: `extend`, a
+    prompt's positions in chunks, and `cycle`, the 1..k+1 positions a verify committed; both then draft). Batch
     1..max_batch; block tables of 0..max_seq_len/block_tokens + 1 blocks per row; pools of 1..max_batch slots and
     of 1..the blocks of max_batch rows of max_seq_len (the runtime sizes its pools within those)."""
     build = manifest.build
     max_batch, chunk, max_seq = build["max_batch"], build["max_prefill_chunk"], build["max_seq_len"]
-    layout = manifest.caches["target"]
+    layout = manifest.caches[TARGET]
     blocks = layout.table_blocks(max_seq)
-    if graph != "draft":            # the target, or a pipeline stage of it
-        kinds = {"prefill": (1, chunk, chunk), "verify": (1, manifest.mtp + 1, manifest.mtp + 1)}
-    else:
-        kinds = {"extend": (1, chunk, chunk), "cycle": (1, manifest.mtp + 1, manifest.mtp + 1)}
+    draft = manifest.draft_spec
+    kinds = draft.calls(manifest.mtp, chunk) if draft is not None and graph == draft.graph else \
+        target_calls(manifest.mtp, chunk)
     dims = {"batch": (1, 1, max_batch), "blocks": (0, blocks // 2, blocks), "pool_slots": (1, max_batch, max_batch),
             "pool_blocks": (1, max_batch * blocks, max_batch * blocks)}
     out = []
@@ -30,7 +31,7 @@ def profiles(manifest: EngineManifest, graph: str) -> list[Profile]:
         shapes = {spec.name: tuple(tuple(d if isinstance(d, int) else ranges[d][i] for d in spec.shape)
                                    for i in range(3))
                   for spec in manifest.graphs[graph].inputs if not _static(spec)}
-        out.append(Profile(name, shapes))
+        out.append(Profile(str(name), shapes))
     return out
 
 

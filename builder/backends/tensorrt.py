@@ -27,14 +27,14 @@ from typing import TYPE_CHECKING, Any
 
 import onnx
 
+from v4engine.contract.backends import BuiltPlan, TensorRTCompiled
+from v4engine.contract.calls import captured_calls
+from v4engine.contract.engine import EngineManifest
+from v4engine.contract.errors import V4EngineError
+from v4engine.contract.profiles import Profile
 from v4engine.plugins import AOT_OPS, DOMAIN
 from v4engine.plugins.common import plugin_attrs
 from v4engine.plugins.tensorrt import MIN_TENSORRT, TensorRTNotInstalled, register_plugins
-from v4engine.runtime.backends import BuiltPlan, TensorRTCompiled
-from v4engine.runtime.engine import EngineManifest
-from v4engine.runtime.errors import V4EngineError
-from v4engine.runtime.cuda_graphs import captured_calls
-from v4engine.runtime.profiles import Profile
 
 from ..weights import use_stored_experts
 from .profiles import engine_profiles

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from v4engine.contract.layout import CacheGroup
+
 from .v4 import LayerCache, LayerDelta, Transformer
 
 DRAFT_CANDIDATES = 2048        # the most likely tokens a filtering (top-k / top-p) row ranks, per draft
@@ -58,7 +60,9 @@ def _filtered(z: torch.Tensor, filters: torch.Tensor, top_k: torch.Tensor, top_p
     V4's vocabulary is 129,280): top-k keeps ties at the k-th value, then the smallest prefix reaching top_p.
     When the filter would keep more than that, the row drafts from its DRAFT_CANDIDATES most likely tokens:
     still lossless (the distribution returned is the one drawn from), only its acceptance can drop."""
-    ranked, order = torch.topk(z, min(z.shape[-1], DRAFT_CANDIDATES), dim=-1)    # descending, ties by index
+    # descending; ties by lower index in the exported graph (ONNX TopK), as the runtime ranks them (PyTorch eager
+    # may order ties otherwise: only a top-p cut through a tie can differ, tests/test_draft_sampling.py)
+    ranked, order = torch.topk(z, min(z.shape[-1], DRAFT_CANDIDATES), dim=-1)
     candidates = ranked.shape[-1]
     keep = torch.where((top_k > 0) & (top_k < candidates), top_k, torch.full_like(top_k, candidates))
     kth = ranked.gather(-1, (keep - 1).unsqueeze(-1))
@@ -135,3 +139,11 @@ def draft_cycle(model: Transformer, hidden: torch.Tensor, next_ids: torch.Tensor
         window = torch.cat([window[:, 1:], out.deltas[0].window_kv], dim=1)
         rows, logits = out.hidden, out.logits[:, 0]
     return DraftCycleOutput(torch.stack(drafts, 1), torch.stack(probs, 1), delta)
+
+
+def mtp_draft_outputs(model: Transformer, feeds: dict[str, torch.Tensor], caches: list[LayerCache],
+                      groups: list[CacheGroup], conditional: bool = True) -> dict[str, torch.Tensor]:
+    """The MTP draft graph (contract/drafting.py MtpSpec): its inputs by name -> its outputs by name."""
+    cycle = draft_cycle(model, feeds["hidden"], feeds["input_ids"], feeds["positions"], feeds["lengths"], caches[0],
+                        feeds["temperature"], feeds["top_k"], feeds["top_p"], feeds["uniforms"], conditional)
+    return {"drafts": cycle.drafts, "draft_probs": cycle.probs} | {g.new: getattr(cycle.delta, g.name) for g in groups}

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from v4engine.runtime.config import Rope
+from v4engine.contract.config import Rope
 
 
 def inv_freq(rope: Rope) -> torch.Tensor:

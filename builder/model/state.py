@@ -9,9 +9,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from v4engine.contract.config import V4Config
+from v4engine.contract.drafting import MTP
+from v4engine.contract.layout import CacheLayout, closed_windows
 from v4engine.runtime.cache import CachePool, SequenceCache
-from v4engine.runtime.config import V4Config
-from v4engine.runtime.layout import CacheLayout, closed_windows
 from v4engine.runtime.pool_arrays import HostArrays
 
 from .v4 import LayerCache, LayerDelta
@@ -22,7 +23,7 @@ class ModelState:
 
     def __init__(self, cfg: V4Config, batch: int, draft: bool = False, dtype: torch.dtype = torch.float32):
         self.cfg, self.dtype = cfg, dtype
-        self.layout = layout = CacheLayout(cfg, draft)
+        self.layout = layout = MTP.layout(cfg) if draft else CacheLayout.target(cfg)
         self.layers = [layout.of_layer(layer) for layer in dict.fromkeys(g.layer for g in layout.groups)]
         self.lengths = [0] * batch
         self.history: list[list[dict[str, torch.Tensor]]] = [

@@ -20,14 +20,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from v4engine.contract.config import CSA, HASH_MOE, HCA, SLIDING, V4Config
+from v4engine.contract.layout import state_tokens
 from v4engine.plugins.attention import csa_attention, hca_attention, sliding_attention
 from v4engine.plugins.compressor import csa_compress, hca_compress
 from v4engine.plugins.indexer import indexer_topk
 from v4engine.plugins.moe import routed_experts, swiglu
 from v4engine.plugins.paging import PagedRows, append_rows, row_count
 from v4engine.plugins.sinkhorn import hc_sinkhorn
-from v4engine.runtime.config import CSA, HASH_MOE, HCA, SLIDING, V4Config
-from v4engine.runtime.layout import state_tokens
 
 from .rope import apply_rope, cos_sin, inv_freq
 

@@ -15,6 +15,7 @@ import signal
 from pathlib import Path
 
 from v4engine.builder.cli import main as v4build
+from v4engine.runtime.drafters import DRAFTERS
 from v4engine.triton_repo import render
 from v4engine.triton_repo.server import TritonServer
 
@@ -35,12 +36,14 @@ def main() -> None:
     p.add_argument("--work", type=Path, default=ROOT / "out" / "triton", help="repository, engine and server log")
     p.add_argument("--env", type=Path, default=ROOT / ".venv-triton", help="the serving environment "
                    "(`make triton-env`)")
+    p.add_argument("--drafter", choices=list(DRAFTERS), default=None, help="drafting method (default: the engine's "
+                   "own; prompt_lookup: n-grams of each request's context, on any engine)")
     args = p.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     engine = args.engine or args.work / "engine"
     if args.engine is None and not (engine / "engine.json").is_file():
         v4build(["--checkpoint", str(ROOT / "examples" / "tiny-v4"), "--mtp", "3", "--output", str(engine)])
-    repo = render(engine, args.work / "repo", force=True)
+    repo = render(engine, args.work / "repo", drafter=args.drafter, force=True)
     with TritonServer(repo, args.env, work_dir=args.work / "server") as server:
         urls = {"http": server.http_url, "grpc": server.grpc_url, "metrics": server.metrics_url}
         (args.work / "server.json").write_text(json.dumps(urls))

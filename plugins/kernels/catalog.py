@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import torch
 
-from v4engine.runtime.config import CSA, HCA
-from v4engine.runtime.layout import open_window_tokens, tokens_per_block
+from v4engine.contract.config import CSA, HCA
+from v4engine.contract.layout import open_window_tokens, tokens_per_block
 
 from .attention import (plan_csa_attention, plan_csa_attention_paged, plan_hca_attention, plan_hca_attention_paged,
                         plan_sliding_attention)

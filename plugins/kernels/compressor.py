@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from v4engine.runtime.layout import emitted_rows
+from v4engine.contract.layout import emitted_rows
 
 from .launch import LaunchPlan, cdiv, launch, pointer_type
 

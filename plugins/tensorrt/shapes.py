@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from v4engine.runtime.layout import emitted_rows
+from v4engine.contract.layout import emitted_rows
 
 Dim = Any                                  # int or symbolic expression
 Shape = Sequence[Dim]

@@ -7,10 +7,10 @@ from typing import Any
 
 import numpy as np
 
-from ..backends import BACKENDS
-from ..engine import EngineManifest, TensorSpec
-from ..layout import NEW_PREFIX
-from ..errors import V4EngineError
+from v4engine.contract.backends import BACKENDS
+from v4engine.contract.engine import EngineManifest, TensorSpec
+from v4engine.contract.errors import V4EngineError
+from v4engine.contract.layout import NEW_PREFIX
 
 
 class EngineRunError(V4EngineError):

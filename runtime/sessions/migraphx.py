@@ -38,13 +38,15 @@ from typing import Any
 
 import numpy as np
 
-from ..backends import MIGraphXCompiled
-from ..buckets import Bucket, StaticCalls, call_dims, choose_bucket
-from ..engine import EngineManifest
-from ..engine_folder import EngineFolder, EngineFormatError, MappedWeights, read_graph
-from ..errors import V4EngineError
+from v4engine.contract.backends import MIGraphXCompiled
+from v4engine.contract.buckets import Bucket, call_dims, choose_bucket
+from v4engine.contract.engine import EngineManifest
+from v4engine.contract.engine_folder import EngineFolder, EngineFormatError, MappedWeights, read_graph
+from v4engine.contract.errors import V4EngineError
+from v4engine.contract.untrusted import shown
+
 from ..pool_arrays import to_torch
-from ..untrusted import shown
+from ..static_calls import StaticCalls
 from . import EngineRunError, EngineSession, checked_outputs
 
 PROVIDER = "MIGraphXExecutionProvider"

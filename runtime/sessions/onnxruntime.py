@@ -48,13 +48,15 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from ..backends import OnnxRuntimeCompiled
-from ..buckets import Bucket, StaticCalls
-from ..cuda_graphs import captured_buckets
-from ..engine import EngineManifest
-from ..engine_folder import ELEMENT_TYPES, EngineFolder, EngineFormatError, read_graph
+from v4engine.contract.backends import OnnxRuntimeCompiled
+from v4engine.contract.buckets import Bucket
+from v4engine.contract.calls import captured_buckets
+from v4engine.contract.engine import EngineManifest
+from v4engine.contract.engine_folder import ELEMENT_TYPES, EngineFolder, EngineFormatError, read_graph
+from v4engine.contract.untrusted import first_line
+
 from ..pool_arrays import NUMPY_DTYPES, to_numpy
-from ..untrusted import first_line
+from ..static_calls import StaticCalls
 from . import EngineRunError, EngineSession, checked_outputs
 
 QMOE_GEMM = "ORT_QMOE_CPU_QNBIT_GEMM"

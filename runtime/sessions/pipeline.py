@@ -19,8 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import V4EngineError
-from ..layout import NEW_PREFIX, STAGE_INPUT, STREAMS, TensorSpec
+from v4engine.contract.errors import V4EngineError
+from v4engine.contract.layout import NEW_PREFIX, STAGE_INPUT, STREAMS, TensorSpec
+
 from ..pool_arrays import to_numpy
 from . import EngineSession
 

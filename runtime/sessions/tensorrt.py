@@ -33,14 +33,16 @@ from typing import Any
 
 import numpy as np
 
-from ..backends import TensorRTCompiled
-from ..buckets import Bucket, StaticCalls
-from ..cuda_graphs import captured_buckets
-from ..engine import EngineManifest
-from ..engine_folder import EngineFolder, EngineFormatError
-from ..errors import V4EngineError
+from v4engine.contract.backends import TensorRTCompiled
+from v4engine.contract.buckets import Bucket
+from v4engine.contract.calls import captured_buckets
+from v4engine.contract.engine import EngineManifest
+from v4engine.contract.engine_folder import EngineFolder, EngineFormatError
+from v4engine.contract.errors import V4EngineError
+from v4engine.contract.profiles import choose_profile
+
 from ..pool_arrays import to_numpy, to_torch
-from ..profiles import choose_profile
+from ..static_calls import StaticCalls
 from . import EngineSession
 
 

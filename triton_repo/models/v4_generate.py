@@ -95,6 +95,8 @@ class TritonPythonModel:
             # the caches live on the GPU where this Python has torch; without it on the host (copied every call)
             device_pools = None if find_spec("torch") else False
         generator = Generator.from_engine_dir(params["engine_dir"], max_batch=int(params["max_batch"]),
+                                              drafter=params.get("drafter"),
+                                              mtp=int(params["mtp"]) if "mtp" in params else None,
                                               providers=providers, device_pools=device_pools, devices=devices)
         self.metrics = Metrics({"model": args["model_name"], "version": args["model_version"]},
                                positions=generator.scheduler.mtp)

@@ -26,20 +26,20 @@ from typing import Any, Callable
 
 import torch
 
-from v4engine.runtime.config import CSA, HCA
-from v4engine.runtime.layout import open_window_tokens
+from v4engine.contract.config import CSA, HCA
+from v4engine.contract.layout import open_window_tokens
 
-from .. import attention as attention_ref
-from .. import compressor as compressor_ref
-from .. import indexer as indexer_ref
-from .. import moe as moe_ref
-from ..paging import PagedRows
-from . import attention as attention_kernels
-from . import compressor as compressor_kernels
-from . import indexer as indexer_kernels
-from . import moe as moe_kernels
-from .catalog import page_rows
-from .paging import split_paged
+from v4engine.plugins import attention as attention_ref
+from v4engine.plugins import compressor as compressor_ref
+from v4engine.plugins import indexer as indexer_ref
+from v4engine.plugins import moe as moe_ref
+from v4engine.plugins.kernels import attention as attention_kernels
+from v4engine.plugins.kernels import compressor as compressor_kernels
+from v4engine.plugins.kernels import indexer as indexer_kernels
+from v4engine.plugins.kernels import moe as moe_kernels
+from v4engine.plugins.kernels.catalog import page_rows
+from v4engine.plugins.kernels.paging import split_paged
+from v4engine.plugins.paging import PagedRows
 
 # paged op -> the dense op it computes, its rows or keys in a block pool read through a block table
 PAGED = {"hca_attention_paged": "hca_attention", "csa_attention_paged": "csa_attention",

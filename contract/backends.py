@@ -35,7 +35,7 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .buckets import Bucket, graph_buckets
-from .cuda_graphs import captured_calls
+from .calls import captured_calls
 from .engine_folder import EngineFormatError
 from .profiles import Profile
 from .untrusted import JsonFields
@@ -43,7 +43,6 @@ from .untrusted import JsonFields
 if TYPE_CHECKING:
     from .engine import GraphEntry
     from .layout import TensorSpec
-    from .sessions import EngineSession
 
 T = TypeVar("T")
 MAX_COUNT = 1 << 50          # the largest count or size a compile record may give (nodes, bytes)
@@ -282,9 +281,9 @@ class Backend:
         """The builder module providing preflight, prepare_graph and compile_engine."""
         return f"v4engine.builder.backends.{self.name}"
 
-    def session_class(self) -> type[EngineSession]:
-        """Its session class, imported now."""
-        return getattr(import_module(f".sessions.{self.name}", __package__), self.session)
+    def session_class(self) -> type:
+        """Its session class, imported now (by the runtime: the contract only names it)."""
+        return getattr(import_module(f"v4engine.runtime.sessions.{self.name}"), self.session)
 
 
 BACKENDS: dict[str, Backend] = {backend.name: backend for backend in (

@@ -1,7 +1,8 @@
 """The engine directory format: `engine.json`, its schema, a validating reader and the writer.
 
 The runtime owns what it loads (docs/architecture.md §3), so the format lives here and the builder writes through it.
-An engine directory holds engine.json, one ONNX graph per part (`target`, and `draft` when mtp > 0), the
+An engine directory holds engine.json, one ONNX graph per part (`target`, or one per pipeline stage, and `draft`
+when the engine's drafter has a graph: contract/drafting.py), the
 weight files those graphs reference (`weights/`: links to the checkpoint's own files, plus one file of
 converted tensors when some had to be converted) and the tokenizer files, if the checkpoint had them.
 
@@ -20,15 +21,17 @@ from .backends import BACKENDS, CompileRecord
 from .config import V4Config
 from .engine_folder import MANIFEST, EngineFolder, EngineFormatError, WeightFile
 from .errors import ConfigError
-from .layout import CacheGroup, CacheLayout, TensorSpec, graph_specs
+from .drafting import DRAFT_SPECS, DraftSpec
+from .layout import CacheGroup, CacheLayout, TensorSpec, target_specs
 from .stages import TARGET, Stage
 from .untrusted import JsonFields, parse_json, shown
 
 FORMAT = "v4engine"
-FORMAT_VERSION = 6          # 2: linked checkpoint files carry their header's SHA-256; 3: cache groups list view_rows;
+FORMAT_VERSION = 7          # 2: linked checkpoint files carry their header's SHA-256; 3: cache groups list view_rows;
                             # 4: the draft graph runs a whole draft cycle (k drafts per call); 5: the graphs read the
                             # runtime's cache pools through slots and a block table (rings without spare rows);
-                            # 6: the target may be split into pipeline stages (`pipeline`)
+                            # 6: the target may be split into pipeline stages (`pipeline`); 7: `drafter` names the
+                            # draft graph's method (contract/drafting.py)
 # Serving limits a build records in engine.json (build.*), and what they are when an engine does not say.
 BUILT_LIMIT_DEFAULTS = {"max_batch": 8, "max_seq_len": 4096, "max_prefill_chunk": 512}
 MAX_BATCH = 4096            # the largest --max-batch a build accepts and engine.json may record
@@ -58,29 +61,32 @@ class GraphEntry:
 @dataclass(frozen=True)
 class StageEntry:
     """One pipeline stage as engine.json lists it: which layers, and the resident bytes of its weights (its graph's,
-    and for the last stage of a drafting engine, the draft graph's too: they run on the same device)."""
+    and for the last stage of an engine with a draft graph, the draft graph's too: they run on the same device)."""
 
     stage: Stage
     bytes: int
 
     def layout(self, cfg: V4Config, value_bytes: int) -> CacheLayout:
         """The cache groups its graph reads and writes: its layers'."""
-        return CacheLayout(cfg, False, value_bytes, layers=self.stage.layers)
+        return CacheLayout.target(cfg, value_bytes, layers=self.stage.layers)
 
-    def to_json(self, cfg: V4Config, value_bytes: int, draft: bool) -> dict[str, Any]:
+    def to_json(self, cfg: V4Config, value_bytes: int, draft: DraftSpec | None) -> dict[str, Any]:
         return {"graph": self.stage.graph, "layers": list(self.stage.layers), "bytes": self.bytes,
                 "cache_groups": [g.pool for g in self.layout(cfg, value_bytes).groups],
-                "draft": "draft" if draft and self.stage.last else None}
+                "draft": draft.graph if draft is not None and self.stage.last else None}
 
 
 @dataclass
 class EngineManifest:
-    """Everything engine.json says. `caches` holds the cache layout of the target (all layers) and of the draft;
-    `stages` the target's pipeline stages (one, `target`, unless the build split it)."""
+    """Everything engine.json says. `mtp` is k, the draft tokens per step the engine's draft graph makes (0: none),
+    `drafter` the method of that graph (None without one); `caches` holds the cache layout of the target (all
+    layers) and of the draft graph; `stages` the target's pipeline stages (one, `target`, unless the build split
+    it)."""
 
     model: V4Config
     backend: str
     mtp: int
+    drafter: str | None
     dtype: str
     graphs: dict[str, GraphEntry]
     caches: dict[str, CacheLayout]
@@ -99,6 +105,11 @@ class EngineManifest:
         return {name: int(self.build.get(name, default)) for name, default in BUILT_LIMIT_DEFAULTS.items()}
 
     @property
+    def draft_spec(self) -> DraftSpec | None:
+        """The draft graph's part of the contract (None: the engine has no draft graph)."""
+        return DRAFT_SPECS[self.drafter] if self.drafter is not None else None
+
+    @property
     def stage_graphs(self) -> list[str]:
         """The target's graphs, in pipeline order."""
         return [entry.stage.graph for entry in self.stages]
@@ -110,7 +121,7 @@ class EngineManifest:
     def layout_of(self, graph: str) -> CacheLayout:
         """The cache groups `graph` reads and writes: the draft's, or its stage's layers'."""
         entry = next((entry for entry in self.stages if entry.stage.graph == graph), None)
-        return self.caches["draft"] if entry is None else entry.layout(self.model, VALUE_BYTES[self.dtype])
+        return self.caches[graph] if entry is None else entry.layout(self.model, VALUE_BYTES[self.dtype])
 
     # ------------------------------------------------------------------ cache accounting
     def cache_groups(self, part: str) -> list[CacheGroup]:
@@ -123,11 +134,12 @@ class EngineManifest:
                   for part, layout in self.caches.items()}
         return {
             "format": FORMAT, "format_version": FORMAT_VERSION,
-            "model": self.model.to_dict(), "backend": self.backend, "mtp": self.mtp, "dtype": self.dtype,
+            "model": self.model.to_dict(), "backend": self.backend, "mtp": self.mtp, "drafter": self.drafter,
+            "dtype": self.dtype,
             "graphs": {name: {"file": g.file, "inputs": [asdict(s) for s in g.inputs],
                               "outputs": [asdict(s) for s in g.outputs]} for name, g in self.graphs.items()},
             "caches": {"groups": {part: layout.to_json() for part, layout in self.caches.items()}, "totals": totals},
-            "pipeline": {"stages": [entry.to_json(self.model, VALUE_BYTES[self.dtype], self.mtp > 0)
+            "pipeline": {"stages": [entry.to_json(self.model, VALUE_BYTES[self.dtype], self.draft_spec)
                                     for entry in self.stages]},
             "weights": {"files": [asdict(w) for w in self.weights], "experts": self.experts},
             "tokenizer": self.tokenizer, "checkpoint": self.checkpoint, "tools": self.tools,
@@ -160,30 +172,34 @@ class EngineManifest:
             raise EngineFormatError(str(e)) from None
         backend, dtype = field.choice("backend", tuple(BACKENDS)), field.choice("dtype", tuple(ACTIVATION_DTYPES))
         mtp = field.integer("mtp", 0, MAX_MTP)
-        stages = _stages(field.nested("pipeline"), model, VALUE_BYTES[dtype], mtp > 0)
-        parts = [entry.stage.graph for entry in stages] + (["draft"] if mtp else [])
+        drafter = field.choice("drafter", tuple(DRAFT_SPECS) if mtp else (None,))
+        spec = DRAFT_SPECS[drafter] if drafter is not None else None
+        stages = _stages(field.nested("pipeline"), model, VALUE_BYTES[dtype], spec)
+        specs = {entry.stage.graph: target_specs(model, ACTIVATION_DTYPES[dtype], entry.stage,
+                                                 spec.target_outputs(model, ACTIVATION_DTYPES[dtype]) if spec else [])
+                 for entry in stages}
+        if spec is not None:
+            specs[spec.graph] = spec.graph_specs(model, ACTIVATION_DTYPES[dtype], mtp)
         graphs, caches = field.get("graphs", dict), field.get("caches", dict)
-        if sorted(graphs) != sorted(parts):
-            raise EngineFormatError(f"{path}: field 'graphs' must hold {parts} for mtp {mtp} (got {shown(sorted(graphs))})")
+        if sorted(graphs) != sorted(specs):
+            raise EngineFormatError(f"{path}: field 'graphs' must hold {list(specs)} for mtp {mtp} "
+                                    f"(got {shown(sorted(graphs))})")
         entries = {}
-        stage_of = {entry.stage.graph: entry.stage for entry in stages}
-        for part in parts:        # what the model config implies, which engine.json must say exactly
-            inputs, outputs = graph_specs(model, part == "draft", ACTIVATION_DTYPES[dtype], mtp, stage_of.get(part))
+        for part, (inputs, outputs) in specs.items():   # what the model config implies, which engine.json must say
             entries[part] = GraphEntry(field.nested("graphs").nested(part).get("file", str),
                                        tuple(inputs), tuple(outputs))
             if graphs[part] != {"file": entries[part].file, **_spec_dicts(entries[part])}:
                 raise EngineFormatError(f"{path}: field 'graphs.{part}' does not describe the {part} graph of this "
                                         "model config (inputs and outputs differ); refused")
-        layouts = {part: CacheLayout(model, part == "draft", VALUE_BYTES[dtype])
-                   for part in [TARGET] + (["draft"] if mtp else [])}
+        layouts = cache_layouts(model, VALUE_BYTES[dtype], spec)
         if caches.get("groups") != {part: layout.to_json() for part, layout in layouts.items()}:
             raise EngineFormatError(f"{path}: field 'caches.groups' is not what the model config implies for mtp "
-                                    f"{mtp} and dtype {dtype}; refused")
+                                    f"{mtp}, drafter {drafter} and dtype {dtype}; refused")
         weights = field.nested("weights")
         build = dict(field.get("build", dict, {}))
         compiled = BACKENDS[backend].compiled.from_dict(build.pop("compile", None), str(path), entries)
         manifest = cls(
-            model=model, backend=backend, mtp=mtp, dtype=dtype, graphs=entries, caches=layouts,
+            model=model, backend=backend, mtp=mtp, drafter=drafter, dtype=dtype, graphs=entries, caches=layouts,
             weights=[_weight_file(w, path, i) for i, w in enumerate(weights.get("files", list))],
             experts=weights.get("experts", str), stages=stages, tokenizer=field.items("tokenizer", str, []),
             checkpoint=field.get("checkpoint", dict, {}),
@@ -214,7 +230,13 @@ def _spec_dicts(entry: GraphEntry) -> dict[str, list[dict[str, Any]]]:
             for kind, specs in (("inputs", entry.inputs), ("outputs", entry.outputs))}
 
 
-def _stages(pipeline: JsonFields, model: V4Config, value_bytes: int, draft: bool) -> list[StageEntry]:
+def cache_layouts(cfg: V4Config, value_bytes: int, draft: DraftSpec | None) -> dict[str, CacheLayout]:
+    """The cache layout of each part: the target's (all layers), and the draft graph's when there is one."""
+    return {TARGET: CacheLayout.target(cfg, value_bytes)} | (
+        {draft.graph: draft.layout(cfg, value_bytes)} if draft is not None else {})
+
+
+def _stages(pipeline: JsonFields, model: V4Config, value_bytes: int, draft: DraftSpec | None) -> list[StageEntry]:
     """`pipeline.stages`: consecutive, non-empty runs of the target's layers from the first to the last, each entry
     exactly as a build writes it (graph name, cache groups, where the draft runs)."""
     layers = model.num_hidden_layers

@@ -11,9 +11,9 @@ from typing import Any, Callable
 
 import numpy as np
 
+from v4engine.contract.engine import EngineManifest
+from v4engine.contract.layout import STAGE_INPUT
 from v4engine.runtime.cache import CachePool, SequenceCache
-from v4engine.runtime.engine import EngineManifest
-from v4engine.runtime.layout import STAGE_INPUT
 from v4engine.runtime.pool_arrays import HostArrays
 
 

@@ -1,4 +1,11 @@
-"""CUDA graphs: an engine's per-token calls, a verify and a draft cycle, each replayed as one launch.
+"""The kinds of engine call the scheduler makes, and which of them CUDA graphs record.
+
+Every call of an engine graph is one of `Call`: the target's PREFILL (a prompt chunk, verify rows riding along) and
+VERIFY (k + 1 tokens per row), a draft graph's EXTEND (a prompt's positions, in chunks) and CYCLE (the positions a
+verify committed, then the drafts). A shape-specialized engine holds one optimization profile per kind, named by
+its value (builder/backends/profiles.py); benchmarks time calls by kind (runtime/engine_calls.py).
+
+CUDA graphs: an engine's per-token calls, a verify and a draft cycle, each replayed as one launch.
 
 On a GPU a decode step of a small batch is hundreds of small kernels, and launching them one by one from the host
 costs more than running them. A CUDA graph records one call's launches once and replays them with one launch. It
@@ -25,12 +32,28 @@ recorded by torch.cuda.graph.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from enum import StrEnum
 
 from .buckets import Bucket, graph_buckets, powers_of_two
 from .layout import TensorSpec
 from .profiles import Profile
 
-CAPTURED_CALLS = ("verify", "cycle")     # the profiles whose calls run as CUDA graphs: one per generated token
+
+class Call(StrEnum):
+    """A kind of engine call; its value names the optimization profile that serves it."""
+
+    PREFILL = "prefill"         # target: a prompt chunk of up to max_prefill_chunk tokens per row
+    VERIFY = "verify"           # target: [t, d1..dk] per row, every decode step
+    EXTEND = "extend"           # draft graph: a prompt's positions, in chunks, then the drafts
+    CYCLE = "cycle"             # draft graph: the 1..k+1 positions a verify committed, then the drafts
+
+
+CAPTURED_CALLS = (Call.VERIFY, Call.CYCLE)     # the calls recorded as CUDA graphs: one of each per generated token
+
+
+def target_calls(k: int, chunk: int) -> dict[Call, tuple[int, int, int]]:
+    """The target's calls and the (min, opt, max) positions per row of each, for k drafts per step."""
+    return {Call.PREFILL: (1, chunk, chunk), Call.VERIFY: (1, k + 1, k + 1)}
 
 
 def captured_calls(profiles: Mapping[str, Sequence[Profile]]) -> tuple[str, ...]:
@@ -54,4 +77,4 @@ def captured_buckets(profiles: Sequence[Profile], names: Sequence[str], inputs: 
     return out
 
 
-__all__ = ["CAPTURED_CALLS", "captured_buckets", "captured_calls"]
+__all__ = ["CAPTURED_CALLS", "Call", "captured_buckets", "captured_calls", "target_calls"]

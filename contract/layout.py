@@ -1,7 +1,8 @@
 """The cache layout: every cache a sequence keeps, how the graphs name it, how many rows it holds and reads, and
 how many rows a forward emits; and, following from it, the graphs' inputs and outputs (the engine contract).
 
-One object derived from V4Config, `CacheLayout(cfg, draft, value_bytes)`, answers all of it. The exporter
+One object derived from V4Config, `CacheLayout.target(cfg, value_bytes)` (or a drafter's, contract/drafting.py),
+answers all of it. The exporter
 names the graphs' tensors with it, engine.json lists its groups, the runtime's cache manager sizes and reads its
 buffers with it, the eager model's state keeps its histories with it, and the compressor ops (reference, Triton
 kernel, TensorRT shape) emit `emitted_rows` rows.
@@ -13,9 +14,10 @@ The groups of one layer (docs/model.md §3):
   a ring of the `state_tokens` rows a forward reads (CSA's windows overlap: 2m - 1; HCA's: m - 1).
 - compressed_kv, CSA and HCA layers: one row per closed window of `ratio` tokens, growing with the sequence.
 - indexer_kv, indexer_gate and index_keys, CSA layers: the same three for the indexer's own compressor.
-The MTP layer keeps only its window. Rollback is committing fewer positions; nothing is ever copied back.
+A drafter's layers keep what its DraftSpec says (MTP's layer: only its window). Rollback is committing fewer
+positions; nothing is ever copied back.
 
-Where the rows live (the engine contract, format 5): the runtime keeps one preallocated pool per group and the
+Where the rows live (the engine contract): the runtime keeps one preallocated pool per group and the
 graphs read the pools themselves. A group of fixed rows is a pool of per-sequence slots, [slots, rows_fixed,
 width], addressed by the call's `slots` [batch]; a growing group is a pool of blocks, [blocks, block_rows, width],
 addressed by the call's `block_table` [batch, blocks per row]. One block covers `block_tokens` positions of every
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from .config import CSA, HCA, SLIDING, V4Config
@@ -34,12 +36,11 @@ from .stages import Stage, single_stage
 
 WINDOW, COMPRESSOR, COMPRESSED = "window_kv", ("compressor_kv", "compressor_gate"), "compressed_kv"
 INDEXER, INDEX_KEYS = ("indexer_kv", "indexer_gate"), "index_keys"
-ROW_GROUPS = (COMPRESSED, INDEX_KEYS)           # one row per closed window; the others one row per position
 MTP_KIND = "mtp"                                # the draft layer's kind in engine.json (its attention is sliding)
 MIN_BLOCK_TOKENS = 16                           # a block's positions when the compression ratios allow fewer
 SLOTS, BLOCK_TABLE = "slots", "block_table"     # the graph inputs that address the pools
 NEW_PREFIX = "new."                             # the outputs that carry new cache rows (`new.{layer}.{group}`)
-STREAMS = "hidden"                              # the target's (every stage's) output streams; the draft's input
+STREAMS = "hidden"                              # the target's (every stage's) output streams; MTP's input
 STAGE_INPUT = "hidden_in"                       # a pipeline stage's input: the previous stage's output `hidden`
 
 
@@ -134,14 +135,12 @@ def closed_windows(start: int, n: int, ratio: int) -> int:
 
 
 class CacheLayout:
-    """Every cache group of the target (draft=False) or of the MTP layer; `layers`: of those target layers only (a
-    pipeline stage's, runtime/stages.py)."""
+    """Every cache group of some layers, given as (layer index, kind) pairs: the target's (`CacheLayout.target`,
+    all layers or a pipeline stage's), or a drafter's (its DraftSpec's `layout`, contract/drafting.py)."""
 
-    def __init__(self, cfg: V4Config, draft: bool, value_bytes: int = 4, layers: range | None = None):
-        self.cfg, self.draft = cfg, draft
+    def __init__(self, cfg: V4Config, layers: Sequence[tuple[int, str]], value_bytes: int = 4):
+        self.cfg = cfg
         self.block_tokens = block_tokens(cfg)
-        kinds = list(enumerate(cfg.layer_types))
-        layers = [(cfg.num_hidden_layers, MTP_KIND)] if draft else kinds if layers is None else [kinds[i] for i in layers]
         self.groups: list[CacheGroup] = []
         for layer, kind in layers:
             def group(name: str, width: int, **rows: int) -> CacheGroup:
@@ -159,6 +158,12 @@ class CacheLayout:
                 self.groups += [group(name, 2 * cfg.index_head_dim, rows_fixed=partial)
                                 for name in INDEXER]
                 self.groups.append(group(INDEX_KEYS, cfg.index_head_dim, ratio=m, block_rows=self.block_tokens // m))
+
+    @classmethod
+    def target(cls, cfg: V4Config, value_bytes: int = 4, layers: range | None = None) -> "CacheLayout":
+        """The target's groups: of every layer, or of `layers` only (a pipeline stage's, contract/stages.py)."""
+        kinds = list(enumerate(cfg.layer_types))
+        return cls(cfg, kinds if layers is None else [kinds[i] for i in layers], value_bytes)
 
     def of_layer(self, layer: int) -> list[CacheGroup]:
         return [g for g in self.groups if g.layer == layer]
@@ -217,32 +222,19 @@ def _dynamic_rows(group: CacheGroup, what: str) -> str:
     return f"{what}_csa" if group.kind == CSA else f"{what}_hca"
 
 
-def graph_specs(cfg: V4Config, draft: bool, dtype: str = "float32", mtp: int = 0, stage: Stage | None = None
-                ) -> tuple[list[TensorSpec], list[TensorSpec]]:
-    """(inputs, outputs) of the target or draft graph: the engine contract.
+def target_specs(cfg: V4Config, dtype: str = "float32", stage: Stage | None = None,
+                 extra_outputs: Sequence[TensorSpec] = ()) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """(inputs, outputs) of the target graph, or of one pipeline stage of it: the engine contract.
 
-    A pipeline stage of the target (runtime/stages.py) takes the previous stage's `hidden` as `hidden_in` unless it
+    A pipeline stage of the target (contract/stages.py) takes the previous stage's `hidden` as `hidden_in` unless it
     is the first, returns `logits` only if it is the last, and reads and writes only its own layers' cache groups.
-
-    The draft graph is a whole draft cycle of k = mtp drafts (builder/model/drafting.py): the target's streams
-    `hidden` and the next tokens over the newly committed positions, each row's valid `lengths`, its sampling
-    settings and one uniform number per draft in; `drafts`, the distributions they were drawn from
-    (`draft_probs`) and the extend's cache rows out."""
+    `extra_outputs`: what the engine's drafter reads of the last stage beside `hidden` (its DraftSpec's
+    `target_outputs`, contract/drafting.py)."""
+    stage = stage or single_stage(cfg.num_hidden_layers)[0]
+    layout = CacheLayout.target(cfg, layers=stage.layers)
     tokens = [TensorSpec("input_ids", "int64", ("batch", "seq")), TensorSpec("positions", "int64", ("batch", "seq"))]
     streams = TensorSpec(STREAMS, dtype, ("batch", "seq", cfg.hc_mult, cfg.hidden_size))
-    if not draft:
-        stage = stage or single_stage(cfg.num_hidden_layers)[0]
-        layout = CacheLayout(cfg, draft, layers=stage.layers)
-        logits = [TensorSpec("logits", "float32", ("batch", "seq", cfg.vocab_size))] if stage.last else []
-        inputs = ([] if stage.first else [TensorSpec(STAGE_INPUT, dtype, streams.shape)]) + tokens
-        return inputs + layout.inputs(dtype), logits + [streams] + layout.outputs(dtype)
-    layout = CacheLayout(cfg, draft)
-    if mtp < 1:
-        raise ValueError(f"the draft graph drafts k >= 1 tokens (got mtp {mtp})")
-    inputs = [streams, *tokens,
-              TensorSpec("lengths", "int64", ("batch",)), TensorSpec("temperature", "float32", ("batch",)),
-              TensorSpec("top_k", "int64", ("batch",)), TensorSpec("top_p", "float32", ("batch",)),
-              TensorSpec("uniforms", "float32", ("batch", mtp))]
-    outputs = [TensorSpec("drafts", "int64", ("batch", mtp)),
-               TensorSpec("draft_probs", "float32", ("batch", mtp, cfg.vocab_size))]
-    return inputs + layout.inputs(dtype), outputs + layout.outputs(dtype)
+    logits = [TensorSpec("logits", "float32", ("batch", "seq", cfg.vocab_size))] if stage.last else []
+    inputs = ([] if stage.first else [TensorSpec(STAGE_INPUT, dtype, streams.shape)]) + tokens
+    extra = list(extra_outputs) if stage.last else []
+    return inputs + layout.inputs(dtype), logits + [streams] + extra + layout.outputs(dtype)

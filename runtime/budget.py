@@ -1,0 +1,79 @@
+"""The cache budget and the pool plan: how many slots and blocks each part's pools get, and where they live.
+
+By default the budget holds the caches of max_batch sequences of max_seq_len tokens, but never more than half of
+the memory the pools live in: the host's, or what each GPU has free beside the weights (an engine.json cannot make
+the runtime promise memory it does not have, and device pools are allocated whole). The budget pays for a slot of
+every part per batch row first, then for as many target blocks as it holds, never more than max_batch sequences
+of max_seq_len can use (nor than a shape-specialized engine's profiles take, which stop there), and at least one
+where there are growing groups. A session of static shapes (MIGraphX's programs) takes pools of its own sizes and
+no other: they must fit the budget given, or half of the memory they live in, and are then the budget.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from v4engine.contract.errors import V4EngineError
+from v4engine.contract.layout import CacheLayout
+from v4engine.contract.stages import TARGET
+
+from .cache import CachePool
+from .pool_arrays import PoolArrays, pool_arrays
+from .sessions import EngineSession
+
+
+@dataclass
+class PoolPlan:
+    """The cache pools of every part (the target's, and its drafter's parts), allocated, and the budget they
+    were sized from."""
+
+    budget: int
+    pools: dict[str, CachePool]
+
+
+def sequence_bytes(layouts: dict[str, CacheLayout], capacity: int) -> int:
+    """Bytes of every cache group of these parts for one sequence of `capacity` tokens (rows exactly)."""
+    return sum(layout.bytes_for(capacity) for layout in layouts.values())
+
+
+def plan_pools(layouts: dict[str, CacheLayout], sessions: dict[str, EngineSession], dtype: str, max_batch: int,
+               max_seq_len: int, max_cache_bytes: int | None) -> PoolPlan:
+    """Pools for `layouts` (by part: TARGET's first, then the drafter's), each where the session of the same part
+    reads it (a pipeline's stages: each on its own device; a drafter's beside the last stage)."""
+    device_of = {g.pool: sessions[part].pool_device_of(g.pool) for part, layout in layouts.items()
+                 for g in layout.groups}
+    storages = {device: pool_arrays(dtype, device) for device in dict.fromkeys(device_of.values())}
+    storage = {pool: storages[device] for pool, device in device_of.items()}
+    cap = max_cache_bytes if max_cache_bytes is not None else \
+        _memory_cap(storages, device_of, layouts, max_seq_len)
+    budget = cap if max_cache_bytes is not None else min(max_batch * sequence_bytes(layouts, max_seq_len), cap)
+    target = layouts[TARGET]
+    blocks = min(max(1, (budget - max_batch * sequence_bytes(layouts, 0)) // target.block_bytes),
+                 max_batch * target.table_blocks(max_seq_len)) if target.block_bytes else 0
+    fixed = {part: sessions[part].pool_shape or {} for part in layouts}
+    fixed_bytes = sum(fixed[part].get("pool_slots", 0) * layout.slot_bytes
+                      + fixed[part].get("pool_blocks", 0) * layout.block_bytes for part, layout in layouts.items())
+    if fixed_bytes > cap:
+        raise V4EngineError(f"this engine's programs take cache pools of {fixed_bytes / 2**30:.2f} GiB "
+                            f"(max_batch x max_seq_len as built), more than the cache budget of "
+                            f"{cap / 2**30:.2f} GiB; rebuild it with a smaller --max-batch or --max-seq-len")
+    pools = {part: CachePool(layout, fixed[part].get("pool_slots", max_batch),
+                             fixed[part].get("pool_blocks", blocks if part == TARGET else 0), storage)
+             for part, layout in layouts.items()}
+    return PoolPlan(fixed_bytes or budget, pools)
+
+
+def _memory_cap(storages: dict[str | None, PoolArrays], device_of: dict[str, str | None],
+                layouts: dict[str, CacheLayout], seq_len: int) -> int:
+    """The largest cache budget that takes at most half of each place's memory, given the share of a sequence's
+    cache bytes each place holds (all of it, unless a pipeline spreads the pools over several GPUs). Host numpy
+    pools and torch CPU pools share one place: the host's memory."""
+    place = {device: "cpu" if device is None else device for device in storages}
+    held = dict.fromkeys(place.values(), 0)
+    for g in (g for layout in layouts.values() for g in layout.groups):
+        held[place[device_of[g.pool]]] += g.bytes_for(seq_len)
+    memory = {place[device]: storage.memory() for device, storage in storages.items()}
+    total = sum(held.values())
+    return min(memory[p] // 2 * total // max(1, held[p]) for p in held)
+
+
+__all__ = ["PoolPlan", "plan_pools", "sequence_bytes"]

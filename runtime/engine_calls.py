@@ -1,0 +1,37 @@
+"""Every engine call the scheduler and its drafter make goes through one `EngineCalls`: counted, and timed by kind.
+
+The count is the scheduler's `engine_steps` (the Triton model exports it); `on_call`, when set, is told each call's
+kind (contract/calls.py `Call`), its input_ids shape and its seconds: how benchmarks take per-call costs apart.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from v4engine.contract.calls import Call
+
+from .sessions import EngineSession
+
+OnCall = Callable[[Call, tuple[int, ...], float], None]
+
+
+class EngineCalls:
+    def __init__(self) -> None:
+        self.steps = 0
+        self.on_call: OnCall | None = None
+
+    def run(self, session: EngineSession, feeds: dict[str, np.ndarray], kind: Call
+            ) -> tuple[dict[str, np.ndarray], float]:
+        """(the session's outputs for `feeds`, the call's seconds)."""
+        started = time.perf_counter()
+        out = session.run(feeds)
+        seconds = time.perf_counter() - started
+        self.steps += 1
+        if self.on_call is not None:
+            self.on_call(kind, feeds["input_ids"].shape, seconds)
+        return out, seconds
+
+
+__all__ = ["EngineCalls", "OnCall"]

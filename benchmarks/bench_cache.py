@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import built_engine
+from v4engine.runtime.budget import Limits
 from v4engine.runtime.generator import Generator
 from v4engine.runtime.sampling import SamplingParams
 
@@ -43,8 +44,8 @@ def rss_mib() -> float:
 
 def host_work(engine: Path, context: int, steps: int, device_pools: bool = False, seed: int = 0) -> dict[str, float]:
     """Medians over `steps` decode steps of one request whose prompt has `context` tokens (see the module doc)."""
-    gen = Generator.from_engine_dir(engine, mtp=3, max_seq_len=context + 4 * steps + 64, max_batch=1,
-                                    **({"device_pools": True} if device_pools else {}))
+    gen = Generator.from_engine_dir(engine, mtp=3, limits=Limits(max_batch=1, max_seq_len=context + 4 * steps + 64),
+                                    backend_options={"device_pools": True} if device_pools else None)
     scheduler = gen.scheduler
     engine_seconds, fed = [0.0], [0]
     for session in (scheduler.target_session, scheduler.draft_session):
@@ -99,7 +100,7 @@ def prefix_ttft(engine: Path, prefix_tokens: int, requests: int, seed: int = 0) 
 def pool_memory(engine: Path, max_seq_len: int = 65536, rows: int = 8) -> dict[str, float]:
     gc.collect()                                      # earlier measurements' generators are gone before we start
     before = rss_mib()
-    gen = Generator.from_engine_dir(engine, max_seq_len=max_seq_len, max_batch=rows)
+    gen = Generator.from_engine_dir(engine, limits=Limits(max_batch=rows, max_seq_len=max_seq_len))
     scheduler = gen.scheduler
     opened = rss_mib()
     rng = np.random.default_rng(1)

@@ -44,10 +44,12 @@ def main() -> None:
     else:
         vocab = EngineManifest.read(plain).model.vocab_size
         prompts = np.random.default_rng(0).integers(0, vocab, (args.prompts, args.prompt_tokens)).tolist()
-    generators = {SYSTEMS[0]: Generator.from_engine_dir(plain, share_threads=True),
-                  SYSTEMS[1]: Generator.from_engine_dir(plain, share_threads=True, device_pools=True),
-                  SYSTEMS[2]: Generator.from_engine_dir(graphs, share_threads=True),
-                  SYSTEMS[3]: Generator.from_engine_dir(graphs, share_threads=True, cuda_graphs=True)}
+    generators = {SYSTEMS[0]: Generator.from_engine_dir(plain, own_process=True),
+                  SYSTEMS[1]: Generator.from_engine_dir(plain, own_process=True,
+                                                        backend_options={"device_pools": True}),
+                  SYSTEMS[2]: Generator.from_engine_dir(graphs, own_process=True),
+                  SYSTEMS[3]: Generator.from_engine_dir(graphs, own_process=True,
+                                                        backend_options={"cuda_graphs": True})}
     tallies = {name: Tally() for name in SYSTEMS}
     clocks = {name: CallClock(3) for name in SYSTEMS}
     for name, generator in generators.items():

@@ -9,7 +9,7 @@
    each initializer of both graphs is in place (a linked checkpoint file), converted (weights/converted.bin) or
    inline; FP8 and FP4 tensors must all be in place, and only FP8 scale rows may be converted; the graphs'
    node counts and their most frequent ops.
-4. What the runtime's checks of an engine folder cost at this size (runtime/engine_folder.py): engine.json read
+4. What the runtime's checks of an engine folder cost at this size (contract/engine_folder.py): engine.json read
    and checked, every weight file fingerprinted and mapped, each graph parsed and its external data checked.
 
 5. With --pipeline-stages N: each stage's layers and resident weight bytes, and the room it leaves for caches on
@@ -154,7 +154,7 @@ def stage_table(manifest: EngineManifest) -> str:
 
 
 def runtime_checks(engine: Path) -> str:
-    """Seconds of what opening a session checks before a backend sees a byte (runtime/engine_folder.py)."""
+    """Seconds of what opening a session checks before a backend sees a byte (contract/engine_folder.py)."""
     started = time.perf_counter()
     manifest = EngineManifest.read(engine)
     folder = EngineFolder(engine)

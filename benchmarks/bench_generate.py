@@ -25,6 +25,7 @@ import torch
 
 from benchmarks import built_engine
 from v4engine.contract.calls import Call
+from v4engine.runtime.budget import Limits
 from v4engine.runtime.generator import Generator
 from v4engine.runtime.metrics import RequestMetrics
 from v4engine.runtime.sampling import SamplingParams
@@ -203,8 +204,9 @@ def main() -> None:
     model.generation_config.eos_token_id = None              # fixed length, like ignore_eos below
     max_batch = max(args.batch_sizes)
     # the prefix cache off: the warm-up's prompt and the batch rounds' repeated prompts would skip their prefills
-    generators = {k: Generator.from_engine_dir(engine, mtp=k, max_batch=max_batch, threads=args.threads,
-                                               share_threads=args.pools == "shared", prefix_cache=False)
+    generators = {k: Generator.from_engine_dir(engine, mtp=k, own_process=args.pools == "shared", prefix_cache=False,
+                                               limits=Limits(max_batch=max_batch),
+                                               backend_options={"threads": args.threads})
                   for k in range(4)}
     for k, g in generators.items():                          # warm up every system once, untimed
         run_v4engine(g, prompts[:1], 8, Tally())

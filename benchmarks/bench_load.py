@@ -1,6 +1,6 @@
 """Opening an engine and decoding from it, two runtimes side by side: memory and speed of the load path.
 
-Why: since the engine folder became a trust boundary (runtime/engine_folder.py), ONNX Runtime no longer opens
+Why: since the engine folder became a trust boundary (contract/engine_folder.py), ONNX Runtime no longer opens
 weight files itself; every weight file reaches it as a read-only memory map and the graph as checked bytes. This
 measures what that costs against another runtime (e.g. the previous commit's), on the same checkpoint, each
 engine built by its own runtime's v4build (the engine formats differ):
@@ -41,7 +41,7 @@ def rss():
 
 before = rss()
 started = time.perf_counter()
-gen = Generator.from_engine_dir(sys.argv[1], mtp=0, threads=2)
+gen = Generator.from_engine_dir(sys.argv[1], mtp=0, backend_options={"threads": 2})
 loaded = time.perf_counter() - started
 after = rss()
 params = SamplingParams(max_new_tokens=32, ignore_eos=True)

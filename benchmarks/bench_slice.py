@@ -73,7 +73,8 @@ def main() -> None:
 
     model = oracle.load_transformers(hf)
     model.generation_config.eos_token_id = None
-    generator = Generator.from_engine_dir(engine, mtp=0, threads=args.threads, prefix_cache=False)   # as transformers
+    generator = Generator.from_engine_dir(engine, mtp=0, prefix_cache=False,          # as transformers
+                                          backend_options={"threads": args.threads})
     gen = torch.Generator().manual_seed(args.seed)
     vocab = generator.manifest.model.vocab_size
     prompts = [torch.randint(2, vocab, (args.prompt_tokens,), generator=gen).tolist() for _ in range(args.prompts)]

@@ -15,7 +15,7 @@ import json
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -23,6 +23,7 @@ import onnx
 import torch
 from tqdm import tqdm
 
+from v4engine.contract.backend_options import BackendOptions
 from v4engine.contract.backends import BACKENDS, INT8_CODES, STORED_BYTES
 from v4engine.contract.config import V4Config
 from v4engine.contract.drafting import MTP, DraftSpec
@@ -36,9 +37,8 @@ from v4engine.contract.untrusted import read_json
 from v4engine.plugins import DOMAIN, OPSET, onnx_functions
 from v4engine.plugins.sinkhorn import NAME as SINKHORN
 
-from .backends import QUANTIZED_IN_PLACE, TENSORRT_OPTIMIZATION_LEVEL, compile_engine, preflight, prepare_graph
-from .backends.migraphx import SCRIPT, all_nodes
-from .backends.tensorrt import TIMING_CACHE
+from .backends import QUANTIZED_IN_PLACE, compile_engine, preflight, prepare_graph
+from .backends.migraphx import all_nodes
 from .checkpoint import checkpoint_file
 from .export import export_draft, export_target, split_sequences
 from .load import open_checkpoint
@@ -67,10 +67,7 @@ class BuildOptions:
     force: bool = False
     progress: bool = True
     pipeline_stages: int = 1                   # the target split into this many graphs, one per device
-    onnx_only: bool = False                    # tensorrt: prepare the graphs, build no engines
-    cuda_graphs: bool = False                  # graphs without control flow, per-token calls recorded on the GPU
-    builder_optimization_level: int = TENSORRT_OPTIMIZATION_LEVEL        # tensorrt
-    timing_cache: Path | None = None           # tensorrt: reused across builds (default: one in the engine)
+    backend_options: dict[str, Any] = field(default_factory=dict)    # the backend's (contract/backend_options.py)
 
 
 def _is_engine_manifest(path: Path) -> bool:
@@ -85,15 +82,16 @@ def _engine_entry(entry: PurePosixPath) -> bool:
     plans or programs."""
     if len(entry.parts) == 2:
         return entry.parts[0] == "weights" and entry.suffix in (".safetensors", ".bin")
-    return (entry.name in {MANIFEST, "weights", TIMING_CACHE, SCRIPT, *TOKENIZER_FILES}
-            or entry.suffix in (".onnx", ".plan", ".mxr"))
+    return (entry.name in {MANIFEST, "weights", *TOKENIZER_FILES} or entry.suffix == ".onnx"
+            or any(backend.writes(entry.name) for backend in BACKENDS.values()))
 
 
 # The only kind of folder `--force` replaces
 ENGINE_FOLDER = Ours("an engine folder built by v4build", MANIFEST, _engine_entry, _is_engine_manifest)
 
 
-def _check_output(options: BuildOptions) -> None:
+def _check_output(options: BuildOptions) -> BackendOptions:
+    """Refuse, in one line, what cannot be built as asked; the backend's own options, read."""
     out = options.output
     check_destination(out, options.force, ENGINE_FOLDER)
     if out.exists() and options.checkpoint.resolve().is_relative_to(out.resolve()):
@@ -112,11 +110,7 @@ def _check_output(options: BuildOptions) -> None:
         raise BuildError(f"--backend must be one of {', '.join(BACKENDS)} (got {options.backend!r})")
     if not isinstance(options.pipeline_stages, int) or options.pipeline_stages < 1:
         raise BuildError(f"--pipeline-stages must be 1 or more (got {options.pipeline_stages})")
-    if options.onnx_only and options.backend != "tensorrt":
-        raise BuildError(f"--onnx-only applies to --backend tensorrt (got --backend {options.backend})")
-    if options.cuda_graphs and options.backend not in ("onnxruntime", "tensorrt"):
-        raise BuildError(f"--cuda-graphs applies to --backend onnxruntime or tensorrt, NVIDIA's (got --backend "
-                         f"{options.backend})")
+    return BACKENDS[options.backend].build_options.read(options.backend_options, options.backend, BuildError)
 
 
 def _versions() -> dict[str, str]:
@@ -142,17 +136,19 @@ class StageClock:
         self._last = now
 
 
-def _write_graph(tmp: Path, name: str, options: BuildOptions, cfg, ckpt, writer: WeightWriter, clock: StageClock,
-                 stage: Stage | None, draft: DraftSpec | None) -> tuple[dict[str, int], dict[str, WeightGroup], Any]:
+def _write_graph(tmp: Path, name: str, options: BuildOptions, static: bool, cfg, ckpt, writer: WeightWriter,
+                 clock: StageClock, stage: Stage | None, draft: DraftSpec | None
+                 ) -> tuple[dict[str, int], dict[str, WeightGroup], Any]:
     """Export, attach weights, prepare for the backend, check and save one graph (the draft, or a stage of the
-    target): (weight counts, bytes by weight group, what the backend's preparation recorded)."""
-    proto = exported_graph(cfg, stage, options, draft)
+    target; `static`: without control flow, for CUDA graphs): (weight counts, bytes by weight group, what the
+    backend's preparation recorded)."""
+    proto = exported_graph(cfg, stage, options, draft, static)
     clock.lap("export")
     counts, groups = attach_weights(proto, ckpt, cfg, writer, BACKENDS[options.backend])
-    add_functions(proto, cfg.hc_sinkhorn_iters - 1 if options.cuda_graphs else None)
+    add_functions(proto, cfg.hc_sinkhorn_iters - 1 if static else None)
     clock.lap("weights")
     proto, prepared = prepare_graph(options.backend, proto, name)
-    if options.cuda_graphs and (found := control_flow(proto)):
+    if static and (found := control_flow(proto)):
         raise BuildError(f"--cuda-graphs: graph '{name}' still has {', '.join(sorted(found))} nodes, which a CUDA "
                          "graph cannot hold")
     clock.lap("prepare")
@@ -167,8 +163,8 @@ _EXPORTED: dict[tuple, bytes] = {}         # this process's last few exports, se
 _EXPORTS_KEPT = 8
 
 
-def exported_graph(cfg: V4Config, stage: Stage | None, options: BuildOptions, draft: DraftSpec | None
-                   ) -> onnx.ModelProto:
+def exported_graph(cfg: V4Config, stage: Stage | None, options: BuildOptions, draft: DraftSpec | None,
+                   static: bool = False) -> onnx.ModelProto:
     """The exported draft graph of `draft` (stage None) or target stage graph (returning what `draft` reads),
     serialized without data, its sequence splits made Splits; a fresh copy from this process's cache when it exported
     the same before. An export depends only on the model config, the graph, the drafter, dtype, limits and k, never
@@ -176,10 +172,10 @@ def exported_graph(cfg: V4Config, stage: Stage | None, options: BuildOptions, dr
     (another weight format or backend; the tests) skips it."""
     is_draft = stage is None
     key = (json.dumps(cfg.to_dict(), sort_keys=True), stage, draft.method if draft else None, options.dtype,
-           options.max_batch, options.max_seq_len, options.mtp if is_draft else 0, options.cuda_graphs and is_draft)
+           options.max_batch, options.max_seq_len, options.mtp if is_draft else 0, static and is_draft)
     if key not in _EXPORTED:
         limits = {"dtype": DTYPES[options.dtype], "max_batch": options.max_batch, "max_seq_len": options.max_seq_len}
-        model = export_draft(cfg, draft, options.mtp, conditional=not options.cuda_graphs, **limits) if is_draft \
+        model = export_draft(cfg, draft, options.mtp, conditional=not static, **limits) if is_draft \
             else export_target(cfg, stage=stage, draft=draft, **limits)
         proto = serialize_without_data(model)
         split_sequences(proto.graph)
@@ -262,8 +258,8 @@ def build(options: BuildOptions) -> EngineManifest:
     """Build the engine directory options.output; returns its manifest."""
     started = time.perf_counter()
     clock = StageClock()
-    _check_output(options)
-    preflight(options)
+    backend = _check_output(options)
+    preflight(options.backend, backend)
     cfg, ckpt = open_checkpoint(options.checkpoint, mtp=options.mtp > 0)
     check_limits(dataclasses.asdict(options), cfg, "v4build", BuildError)
     stages = _stages(options, cfg, ckpt)
@@ -278,8 +274,8 @@ def build(options: BuildOptions) -> EngineManifest:
             weight_groups: dict[str, dict[str, Any]] = {}
             resident: dict[str, int] = {}           # bytes of each graph's weights, as its backend holds them
             for name, stage in tqdm(parts.items(), desc="export", unit="graph", disable=not options.progress):
-                counts, groups, prepared[name] = _write_graph(tmp, name, options, cfg, ckpt, writer, clock, stage,
-                                                              draft)
+                counts, groups, prepared[name] = _write_graph(tmp, name, options, backend.cuda_graph_ready, cfg,
+                                                              ckpt, writer, clock, stage, draft)
                 weight_groups[name] = {group: dataclasses.asdict(g) for group, g in sorted(groups.items())}
                 resident[name] = sum(sum(g.resident.values()) for g in groups.values())
                 for k, v in counts.items():
@@ -310,7 +306,7 @@ def build(options: BuildOptions) -> EngineManifest:
                        "weight_groups": weight_groups})
             manifest.write(tmp)
             clock.lap("manifest")
-            manifest.compiled = compile_engine(tmp, manifest, options, prepared)
+            manifest.compiled = compile_engine(tmp, manifest, options, backend, prepared)
             clock.lap("compile")
             manifest.build["stages"] = clock.seconds
             manifest.build["seconds"] = round(time.perf_counter() - started, 2)

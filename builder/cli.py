@@ -16,6 +16,7 @@ import os
 import sys
 from pathlib import Path
 
+from v4engine.contract.backend_options import TENSORRT_OPTIMIZATION_LEVEL
 from v4engine.contract.backends import BACKENDS
 from v4engine.contract.engine import BUILT_LIMIT_DEFAULTS
 from v4engine.contract.errors import V4EngineError
@@ -23,7 +24,6 @@ from v4engine.contract.stages import gpu_list
 from v4engine.contract.staging import Interrupted, signals_as_exceptions
 from v4engine.runtime.drafters import DRAFTERS
 
-from .backends import TENSORRT_OPTIMIZATION_LEVEL
 
 
 def _make_tiny(args: argparse.Namespace) -> None:
@@ -60,13 +60,13 @@ def _check(args: argparse.Namespace) -> None:
 def _build(args: argparse.Namespace) -> None:
     from .build import BuildOptions, build
 
+    given = {"cuda_graphs": args.cuda_graphs or None, "onnx_only": args.onnx_only or None,
+             "builder_optimization_level": args.builder_optimization_level, "timing_cache": args.timing_cache}
     manifest = build(BuildOptions(checkpoint=args.checkpoint, output=args.output, mtp=args.mtp, backend=args.backend,
                                   dtype=args.dtype, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
                                   max_prefill_chunk=args.max_prefill_chunk, force=args.force, progress=not args.quiet,
-                                  pipeline_stages=args.pipeline_stages, onnx_only=args.onnx_only,
-                                  cuda_graphs=args.cuda_graphs,
-                                  builder_optimization_level=args.builder_optimization_level,
-                                  timing_cache=args.timing_cache))
+                                  pipeline_stages=args.pipeline_stages,   # the backend's own options: only those given
+                                  backend_options={name: value for name, value in given.items() if value is not None}))
     print(summary(args.output, manifest))
 
 
@@ -156,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--onnx-only", action="store_true", help="tensorrt: prepare the graphs for TensorRT (plugin "
                    "nodes, profiles, engine.json) and stop before building engines; needs no TensorRT")
     p.add_argument("--builder-optimization-level", type=int, choices=range(6),
-                   default=TENSORRT_OPTIMIZATION_LEVEL, metavar="0-5",
+                   default=None, metavar="0-5",
                    help="tensorrt: TensorRT's builder optimization level (0 fastest build .. 5 most tactics; "
                    f"default {TENSORRT_OPTIMIZATION_LEVEL})")
     p.add_argument("--timing-cache", type=Path, default=None, help="tensorrt: timing cache file, read if it exists "
@@ -252,7 +252,7 @@ def tools_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Every way a run can end is one line on stderr and an exit status: 0 done, 1 refused or failed (the line
     names the file, tensor or field), 130 Ctrl-C, 128+N for signal N (SIGTERM, SIGHUP). Nothing half-written is
-    left behind in any case (runtime/staging.py)."""
+    left behind in any case (contract/staging.py)."""
     argv = sys.argv[1:] if argv is None else argv
     tools = bool(argv) and argv[0] in ("make-tiny", "make-release", "check", "triton-repo")
     args = (tools_parser() if tools else build_parser()).parse_args(argv)

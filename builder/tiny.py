@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import string
 from pathlib import Path, PurePosixPath
 from collections.abc import Callable
 from typing import Any
@@ -190,15 +191,35 @@ def make_tiny(out: str | Path, config: str = "mixed", seed: int = 0, quantize: s
     raw = dict(CONFIGS[config], torch_dtype=dtype)
     model = random_model(V4Config.from_dict(raw, source=f"tiny config {config}"), seed, agree)
     return save_checkpoint(model, raw, out, quantize=quantize, names=names, dtype=dtype, shards=shards, mtp=mtp,
-                           force=force)
+                           texts={"tokenizer.json": character_tokenizer(raw["vocab_size"])}, force=force)
+
+
+def character_tokenizer(vocab_size: int) -> str:
+    """tokenizer.json of a tokenizer of single characters, for a tiny random model, so that its engine takes text
+    like a real one: <bos> and <eos> at the tiny configs' ids (0, 1), <unk> for a character outside, then space,
+    newline, letters, digits and punctuation (the rarest last), as many as the vocabulary holds."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    rare = "`~|^\\$"
+    punctuation = "".join(c for c in string.punctuation if c not in rare) + rare
+    vocab = {"<bos>": 0, "<eos>": 1, "<unk>": 2}
+    for c in (" \n" + string.ascii_lowercase + string.ascii_uppercase + string.digits + punctuation)[:vocab_size - 3]:
+        vocab[c] = len(vocab)
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")    # every character
+    tokenizer.decoder = decoders.Fuse()
+    tokenizer.add_special_tokens(["<bos>", "<eos>"])
+    return tokenizer.to_str()
 
 
 def save_checkpoint(model: Transformer, raw: dict[str, Any], out: str | Path, quantize: str | None = None,
                     names: str = "official", dtype: str = "float32", shards: int = 2, mtp: bool = True,
-                    extra_files: dict[str, Path] | None = None, force: bool = False) -> Path:
+                    extra_files: dict[str, Path] | None = None, texts: dict[str, str] | None = None,
+                    force: bool = False) -> Path:
     """Write `model` as a checkpoint folder laid out like the release (config.json in official form `raw`,
     sharded safetensors + index, mtp.0.* in the last shard), or as save_pretrained writes it (names="hf").
-    Built in a temporary folder and renamed at the end; `extra_files` (e.g. tokenizer.json) are copied in."""
+    Built in a temporary folder and renamed at the end; `extra_files` (e.g. tokenizer.json) are copied in, `texts`
+    written as given."""
     raw = dict(raw, torch_dtype=dtype)
     tensors = _tensors(model, getattr(torch, dtype), quantize, "scale" if names == "official" else "weight_scale_inv")
     if not mtp:
@@ -214,7 +235,7 @@ def save_checkpoint(model: Transformer, raw: dict[str, Any], out: str | Path, qu
         save_file({k: tensors[k] for k in names}, str(path), metadata={"format": "pt"})
         return sum(tensors[k].numel() * tensors[k].element_size() for k in names)
 
-    return write_checkpoint_folder(out, raw, list(tensors), shards, write_shard, extra_files, force)
+    return write_checkpoint_folder(out, raw, list(tensors), shards, write_shard, extra_files, texts, force)
 
 
 MADE = ".v4build-checkpoint"           # marks a checkpoint folder v4build wrote: the only kind --force replaces
@@ -230,9 +251,10 @@ CHECKPOINT_FOLDER = Ours("a checkpoint folder written by v4build (make-tiny, mak
 
 def write_checkpoint_folder(out: str | Path, raw: dict[str, Any], names: list[str], shards: int,
                             write_shard: Callable[[Path, list[str]], int],
-                            extra_files: dict[str, Path] | None = None, force: bool = False) -> Path:
+                            extra_files: dict[str, Path] | None = None, texts: dict[str, str] | None = None,
+                            force: bool = False) -> Path:
     """A checkpoint folder laid out like the release: `names` over `shards` safetensors files (write_shard(path,
-    names) writes one and returns its data bytes), the index, config.json `raw` and `extra_files`; built in a
+    names) writes one and returns its data bytes), the index, config.json `raw`, `extra_files` and `texts`; built in a
     temporary folder and renamed at the end. An existing `out` is replaced only with `force`, and only if it is
     a checkpoint folder v4build wrote (it holds MADE)."""
     out = Path(out)
@@ -250,6 +272,8 @@ def write_checkpoint_folder(out: str | Path, raw: dict[str, Any], names: list[st
         (tmp / "config.json").write_text(json.dumps(raw, indent=2))
         for name, source in (extra_files or {}).items():
             shutil.copy2(source, tmp / name)
+        for name, text in (texts or {}).items():
+            (tmp / name).write_text(text)
     return out
 
 

@@ -15,8 +15,11 @@ A `Backend` says what the builder and the runtime need to know of one backend:
   `STORED_BYTES` (the stored bytes stacked as int8, with fp32 scales, for a kernel that dequantizes inside: the
   TensorRT plugin);
 - `compiled`: the typed record of what its compile step wrote in engine.json (`build.compile`);
-- `builder`: the builder module providing preflight, prepare_graph and compile_engine. The runtime only names it:
-  the builder imports the runtime, never the reverse.
+- `build_options`, `session_options`: the options it takes at build time and when an engine opens
+  (contract/backend_options.py), each refusing in one line what it does not take;
+- `artifacts`: the files its compile step writes into an engine folder (what `--force` may replace);
+- `builder`: the builder module providing preflight, prepare_graph and compile_engine. The contract only names it
+  (and the session class): the builder and the runtime import the contract, never the reverse.
 `BACKENDS` maps each name to its record. `v4build --backend`, engine.json's `backend` field and every choice the
 builder and the runtime make by backend come from it; tests/test_backends.py checks that each entry is complete.
 
@@ -34,6 +37,8 @@ from dataclasses import dataclass
 from importlib import import_module
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from .backend_options import (BackendOptions, MIGraphXBuild, MIGraphXSessionOptions, OnnxRuntimeBuild,
+                              OnnxRuntimeSessionOptions, TensorRTBuild, TensorRTSessionOptions)
 from .buckets import Bucket, graph_buckets
 from .calls import captured_calls
 from .engine_folder import EngineFormatError
@@ -100,7 +105,7 @@ def _profiles(fields: JsonFields, graphs: Mapping[str, GraphEntry]) -> dict[str,
 
 
 def _cuda_graphs(fields: JsonFields, profiles: Mapping[str, tuple[Profile, ...]] | None) -> tuple[str, ...]:
-    """`cuda_graphs`: the names of the profiles whose calls run as CUDA graphs (runtime/cuda_graphs.py), each one
+    """`cuda_graphs`: the names of the profiles whose calls run as CUDA graphs (contract/calls.py), each one
     of the per-token calls the engine's graphs have; () when absent (an engine built without --cuda-graphs)."""
     names = tuple(fields.items("cuda_graphs", str, []))
     allowed = captured_calls(profiles or {})
@@ -111,7 +116,7 @@ def _cuda_graphs(fields: JsonFields, profiles: Mapping[str, tuple[Profile, ...]]
 
 def _check_buckets(fields: JsonFields, profiles: Mapping[str, tuple[Profile, ...]],
                    graphs: Mapping[str, GraphEntry]) -> dict[str, list[Bucket]]:
-    """Every graph's buckets of static shapes (runtime/buckets.py), once its profiles give each dynamic input with
+    """Every graph's buckets of static shapes (contract/buckets.py), once its profiles give each dynamic input with
     one range per dimension: what programs and CUDA graphs are made for."""
     buckets = {}
     for graph, entry in graphs.items():
@@ -128,7 +133,7 @@ class OnnxRuntimeCompiled(CompileRecord):
     """ONNX Runtime compiles nothing ahead: the build only loads every graph. Its version, the execution providers
     that loaded them, and, when none could, why (`not_loaded`: a bf16 engine with only the CPU provider here).
     An engine built for CUDA graphs (--cuda-graphs) also has its graphs' calls as profiles, and `cuda_graphs`
-    names those whose calls the CUDA provider records (their buckets: runtime/cuda_graphs.py)."""
+    names those whose calls the CUDA provider records (their buckets: contract/calls.py)."""
 
     onnxruntime: str
     providers_checked: tuple[str, ...]
@@ -174,7 +179,7 @@ class TensorRTCompiled(CompileRecord):
     plans: dict[str, BuiltPlan] | None
     tensorrt: str
     timing_cache: str | None = None
-    cuda_graphs: tuple[str, ...] = ()      # the profiles whose calls run as CUDA graphs (runtime/cuda_graphs.py)
+    cuda_graphs: tuple[str, ...] = ()      # the profiles whose calls run as CUDA graphs (contract/calls.py)
 
     @classmethod
     def from_dict(cls, raw: Any, source: str, graphs: Mapping[str, GraphEntry]) -> TensorRTCompiled:
@@ -206,7 +211,7 @@ class Variant:
 
 @dataclass(frozen=True)
 class Program:
-    """One compiled MIGraphX program: the static shape (bucket, runtime/buckets.py) it was compiled for and its file
+    """One compiled MIGraphX program: the static shape (bucket, contract/buckets.py) it was compiled for and its file
     in the engine folder."""
 
     bucket: str
@@ -269,12 +274,18 @@ class Backend:
 
     name: str
     session: str                          # its EngineSession class, in runtime/sessions/<name>.py
-    onnxruntime_options: bool             # whether that session takes ONNX Runtime's options (providers, threads)
     shape_specialized: bool
     quantized_in_place: frozenset[str]    # "fp8_block", "mxfp4"
     compiled: type[CompileRecord]
+    build_options: type[BackendOptions]   # what v4build takes for it (contract/backend_options.py)
+    session_options: type[BackendOptions]  # what its sessions take when an engine opens
+    artifacts: frozenset[str] = frozenset()     # the files its compile step writes: names, or `*.suffix`
     dequantizes_at_load: bool = False
     expert_weights: str = STACKED
+
+    def writes(self, name: str) -> bool:
+        """Whether its compile step writes a file of this name into an engine folder."""
+        return name in self.artifacts or any(a.startswith("*") and name.endswith(a[1:]) for a in self.artifacts)
 
     @property
     def builder(self) -> str:
@@ -286,19 +297,26 @@ class Backend:
         return getattr(import_module(f"v4engine.runtime.sessions.{self.name}"), self.session)
 
 
+TIMING_CACHE = "timing.cache"                  # a TensorRT engine's timing cache, unless --timing-cache names one
+MIGRAPHX_SCRIPT = "compile_migraphx.sh"        # what compiles a MIGraphX engine's programs on the ROCm machine
+
 BACKENDS: dict[str, Backend] = {backend.name: backend for backend in (
     # ONNX Runtime's CPU provider has no FP4 kernel, but an int8 MoE that is exact for MXFP4's values
-    Backend("onnxruntime", "OnnxRuntimeSession", onnxruntime_options=True, shape_specialized=False,
+    Backend("onnxruntime", "OnnxRuntimeSession", shape_specialized=False,
             quantized_in_place=frozenset({"fp8_block", "mxfp4"}), compiled=OnnxRuntimeCompiled,
+            build_options=OnnxRuntimeBuild, session_options=OnnxRuntimeSessionOptions,
             dequantizes_at_load=True, expert_weights=INT8_CODES),
-    Backend("tensorrt", "TensorRTSession", onnxruntime_options=False, shape_specialized=True,
+    Backend("tensorrt", "TensorRTSession", shape_specialized=True,
             quantized_in_place=frozenset({"fp8_block", "mxfp4"}), compiled=TensorRTCompiled,
-            expert_weights=STORED_BYTES),
+            build_options=TensorRTBuild, session_options=TensorRTSessionOptions,
+            artifacts=frozenset({"*.plan", TIMING_CACHE}), expert_weights=STORED_BYTES),
     # MIGraphX reads neither FLOAT8E4M3FN nor blocked DequantizeLinear at its opset 19; int8 bytes it reads
-    Backend("migraphx", "MIGraphXSession", onnxruntime_options=False, shape_specialized=True,
-            quantized_in_place=frozenset(), compiled=MIGraphXCompiled, expert_weights=STORED_BYTES),
+    Backend("migraphx", "MIGraphXSession", shape_specialized=True,
+            quantized_in_place=frozenset(), compiled=MIGraphXCompiled,
+            build_options=MIGraphXBuild, session_options=MIGraphXSessionOptions,
+            artifacts=frozenset({"*.mxr", MIGRAPHX_SCRIPT}), expert_weights=STORED_BYTES),
 )}
 
-__all__ = ["Backend", "BACKENDS", "STACKED", "INT8_CODES", "STORED_BYTES", "CompileRecord",
-           "OnnxRuntimeCompiled", "TensorRTCompiled", "BuiltPlan",
+__all__ = ["Backend", "BACKENDS", "MIGRAPHX_SCRIPT", "TIMING_CACHE", "STACKED", "INT8_CODES", "STORED_BYTES",
+           "CompileRecord", "OnnxRuntimeCompiled", "TensorRTCompiled", "BuiltPlan",
            "MIGraphXCompiled", "Variant", "Program"]

@@ -11,10 +11,10 @@ On a GPU a decode step of a small batch is hundreds of small kernels, and launch
 costs more than running them. A CUDA graph records one call's launches once and replays them with one launch. It
 replays exactly what it recorded: the same kernels on the same addresses at the same shapes. So:
 - the calls of the engine's `verify` and `cycle` profiles (CAPTURED_CALLS) are padded to buckets of static shapes
-  (runtime/buckets.py, as MIGraphX's programs are): batch, block-table width and positions (up to k + 1) at powers
+  (contract/buckets.py, as MIGraphX's programs are): batch, block-table width and positions (up to k + 1) at powers
   of two. Calls no bucket covers (prefill and extend chunks longer than k + 1: once per prompt, not per token) run
   as before;
-- every other input lives in a buffer of the bucket's shape that is allocated once (runtime/buckets.py
+- every other input lives in a buffer of the bucket's shape that is allocated once (runtime/static_calls.py
   `StaticCalls`, which MIGraphX's programs run through too); a call copies its own (padded) values into them,
   and the first call of a bucket records it on those values;
 - the cache pools are passed in place, at whatever size the scheduler gave them: a call whose pools are not those

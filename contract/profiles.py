@@ -1,7 +1,7 @@
 """Optimization profiles: the input shape ranges a shape-specialized engine (TensorRT, MIGraphX) was built for.
 
 The builder decides them from the calls the scheduler makes (builder/backends/profiles.py) and records them in
-engine.json (the backend's compile record, runtime/backends.py), in the engine's own order; the runtime picks, for
+engine.json (the backend's compile record, contract/backends.py), in the engine's own order; the runtime picks, for
 each call, the tightest profile covering its input shapes."""
 from __future__ import annotations
 

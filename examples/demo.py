@@ -46,7 +46,7 @@ def main() -> int:
     results: dict[int, GenerationResult] = {}
     # the demo is a process of its own: target and draft take turns on one ONNX Runtime pool. Every round runs the
     # same prompt, whose prefill the prefix cache would skip after the first: off, so each round does the same work
-    generators = {mtp: Generator.from_engine_dir(ENGINE, mtp=mtp, share_threads=True, prefix_cache=False)
+    generators = {mtp: Generator.from_engine_dir(ENGINE, mtp=mtp, own_process=True, prefix_cache=False)
                   for mtp in (0, 3)}
     speed: dict[int, float] = {0: 0.0, 3: 0.0}
     for _ in range(ROUNDS):                     # interleaved, best of ROUNDS: machine noise hits both alike

@@ -10,15 +10,45 @@ no other: they must fit the budget given, or half of the memory they live in, an
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from v4engine.contract.backends import BACKENDS
+from v4engine.contract.engine import EngineManifest, check_limits
 from v4engine.contract.errors import V4EngineError
 from v4engine.contract.layout import CacheLayout
 from v4engine.contract.stages import TARGET
 
 from .cache import CachePool
 from .pool_arrays import PoolArrays, pool_arrays
+from .sampling import RequestError
 from .sessions import EngineSession
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one Generator serves at most: None takes the engine's build limits (engine.json), or for the cache the
+    default budget (the module doc)."""
+
+    max_batch: int | None = None             # requests generating together
+    max_seq_len: int | None = None           # tokens of a sequence, prompt and generated
+    max_prefill_chunk: int | None = None     # prompt tokens per engine call
+    max_cache_bytes: int | None = None       # the cache pools' budget
+
+    def resolved(self, manifest: EngineManifest, source: str) -> "Limits":
+        """These limits with the engine's in place of None, each checked (RequestError naming the one at fault):
+        integers within bounds, and within the engine's own for a shape-specialized engine."""
+        built = manifest.limits
+        asked = {name: built[name] if getattr(self, name) is None else getattr(self, name) for name in built}
+        check_limits(asked, manifest.model, source, RequestError)
+        if BACKENDS[manifest.backend].shape_specialized:
+            for name, value in asked.items():
+                if value > built[name]:
+                    raise RequestError(f"{source}: {name} {value} exceeds the {built[name]} this {manifest.backend} "
+                                       "engine was built for (rebuild with a larger one)")
+        cache = self.max_cache_bytes
+        if cache is not None and (not isinstance(cache, int) or isinstance(cache, bool) or cache < 1):
+            raise RequestError(f"{source}: max_cache_bytes must be a positive integer of bytes (got {cache!r:.60})")
+        return replace(self, **asked)
 
 
 @dataclass
@@ -76,4 +106,4 @@ def _memory_cap(storages: dict[str | None, PoolArrays], device_of: dict[str, str
     return min(memory[p] // 2 * total // max(1, held[p]) for p in held)
 
 
-__all__ = ["PoolPlan", "plan_pools", "sequence_bytes"]
+__all__ = ["Limits", "PoolPlan", "plan_pools", "sequence_bytes"]

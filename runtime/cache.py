@@ -1,6 +1,6 @@
 """Paged cache pools with exact rollback: one preallocated pool per cache group, shared by every sequence.
 
-The layout (runtime/layout.py) says what each group holds. A sequence owns one slot of every fixed group's pool
+The layout (contract/layout.py) says what each group holds. A sequence owns one slot of every fixed group's pool
 (its window and partial-window rings) and a list of blocks of the growing groups' pools (compressed rows and
 index keys, `block_tokens` positions per block). The graphs read the pools in place through the call's `slots`
 and `block_table` (builder/model/paging.py); they never write them: they return deltas, and `commit(n)` writes

@@ -76,8 +76,8 @@ def run(args: argparse.Namespace) -> int:
         except ValueError:
             raise V4EngineError(f"--prompt-ids must be comma-separated integers (got {args.prompt_ids!r})") from None
     devices = gpu_list(args.devices, "--devices") if args.devices is not None else None
-    generator = Generator.from_engine_dir(args.engine_dir, mtp=args.mtp, drafter=args.drafter,
-                                          share_threads=True, devices=devices)   # our own process
+    generator = Generator.from_engine_dir(args.engine_dir, mtp=args.mtp, drafter=args.drafter, devices=devices,
+                                          own_process=True)
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
     if args.stream and not args.json:       # text pieces never split a character nor show a stop string

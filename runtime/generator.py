@@ -11,18 +11,20 @@ from __future__ import annotations
 
 import reprlib
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from v4engine.contract.backends import BACKENDS
-from v4engine.contract.engine import EngineManifest, check_limits
+from v4engine.contract.engine import EngineManifest
 from v4engine.contract.engine_folder import EngineFolder, EngineFormatError
 from v4engine.contract.stages import check_devices
 from v4engine.contract.untrusted import first_line
 
+from .budget import Limits
 from .detokenize import IncrementalDetokenizer, final_text
 from .drafters import DRAFTERS, Drafter
 from .metrics import RequestMetrics
@@ -102,77 +104,53 @@ class Generator:
         self._cancelled_in_step: list[Request] = []
 
     @classmethod
-    def from_engine_dir(cls, path: str | Path, backend: str | None = None, mtp: int | None = None,
-                        drafter: str | None = None,
-                        max_batch: int | None = None, max_seq_len: int | None = None,
-                        max_cache_bytes: int | None = None,
-                        max_prefill_chunk: int | None = None, threads: int | None = None,
-                        providers: list | None = None, share_threads: bool = False,
-                        prefix_cache: bool = True, device_pools: bool | None = None,
+    def from_engine_dir(cls, path: str | Path, *, drafter: str | None = None, mtp: int | None = None,
+                        limits: Limits | None = None, prefix_cache: bool = True,
                         devices: Sequence[int] | None = None, microbatches: int | None = None,
-                        cuda_graphs: bool | None = None) -> "Generator":
-        """Open an engine directory. drafter: the drafting method (runtime/drafters/ DRAFTERS: the engine's own
-        draft graph's by default; "prompt_lookup" on any engine). mtp: draft tokens per step, from 0 (no drafting)
-        to what the drafter makes on this engine (the engine's k for its own draft graph); default the engine's k
-        (prompt lookup on an engine without a draft graph: 3).
+                        own_process: bool = False, backend_options: Mapping[str, Any] | None = None) -> "Generator":
+        """Open an engine directory.
 
-        providers: ONNX Runtime execution providers, e.g. ["CUDAExecutionProvider", "CPUExecutionProvider"] with
-        onnxruntime-gpu installed (default: the CPU). max_batch, max_seq_len and max_prefill_chunk (prompt tokens per
-        engine call) default to the engine's; TensorRT and MIGraphX engines were built for shapes up to those, so
-        larger values are refused here rather than in the middle of a generation. share_threads: an ONNX Runtime
-        engine's target and draft run on one process-wide pool (sessions/onnxruntime.share_thread_pool), which
-        changes every later ONNX Runtime session of the process: for a program's own process only. prefix_cache:
-        a prompt that starts like an earlier one reuses that prefix's caches (runtime/prefix_cache.py); the tokens
-        are those of a cold run either way. device_pools: an ONNX Runtime engine keeps its cache pools as torch
-        tensors on the session's device, bound in place (default: when a GPU provider comes first; True on the
-        CPU runs the same path with CPU tensors); TensorRT engines always do, and MIGraphX's programs too, at the
-        sizes they were compiled for (max_batch x max_seq_len as built: refused if max_cache_bytes, or half the
-        GPU's free memory, is less). devices: the GPU of each of the
-        engine's pipeline stages (v4build --pipeline-stages; one per stage, the draft on the last stage's), as ONNX
-        Runtime's CUDA device_id, TensorRT's device or MIGraphX's (default: every stage where the backend runs by
-        default, the CPU for ONNX Runtime). microbatches: a call's rows cut into this many slices in flight on
-        different stages at once (default: one per stage when each stage has a GPU of its own; 1: none).
-        cuda_graphs: an ONNX Runtime engine built with --cuda-graphs runs its verify and draft-cycle calls as
-        recorded CUDA graphs (default: on the CUDA provider; True on the CPU takes the same static buffers, without
-        recording; False: never). TensorRT engines built with it always do."""
+        drafter: the drafting method (runtime/drafters/ DRAFTERS: by default the engine's own draft graph's;
+        "prompt_lookup" on any engine). mtp: draft tokens per step, from 0 (no drafting) to what the drafter makes
+        on this engine (the engine's k for its own draft graph); default the engine's k (prompt lookup on an
+        engine without a draft graph: 3). limits: max_batch, max_seq_len and max_prefill_chunk (prompt tokens per
+        engine call), by default the engine's (a TensorRT or MIGraphX engine was built for shapes up to those, so
+        larger ones are refused here rather than in the middle of a generation), and max_cache_bytes (default:
+        runtime/budget.py). prefix_cache: a prompt that starts like an earlier one reuses that prefix's caches
+        (runtime/prefix_cache.py); the tokens are those of a cold run either way. devices: the GPU of each of the
+        engine's pipeline stages (v4build --pipeline-stages; one per stage, the draft beside the last; default:
+        every stage where the backend runs by default). microbatches: a call's rows cut into this many slices in
+        flight on different stages at once (default: one per stage when each stage has a GPU of its own; 1:
+        none). own_process: this process is a program of its own (v4generate, the demo, the benchmarks), so the
+        backend may take process-wide resources (ONNX Runtime: one spinning thread pool for all its sessions,
+        which changes every later ONNX Runtime session of the process). backend_options: the options of the
+        engine's backend (contract/backend_options.py; ONNX Runtime: providers, threads, device_pools,
+        cuda_graphs); one it does not take is refused in one line."""
         path = Path(path)
         manifest = EngineManifest.read(path)
-        if backend is not None and backend != manifest.backend:
-            raise RequestError(f"{path} is a {manifest.backend} engine; it cannot run on backend {backend!r}")
-        built = manifest.limits
-        asked = {"max_batch": max_batch or built["max_batch"], "max_seq_len": max_seq_len or built["max_seq_len"],
-                 "max_prefill_chunk": max_prefill_chunk or built["max_prefill_chunk"]}
-        check_limits(asked, manifest.model, str(path), RequestError)
-        if BACKENDS[manifest.backend].shape_specialized:
-            for name, value in asked.items():
-                if value > built[name]:
-                    raise RequestError(f"{path}: {name} {value} exceeds the {built[name]} this {manifest.backend} "
-                                       "engine was built for (rebuild with a larger one)")
-        method, mtp = drafter_tokens(manifest, drafter, mtp, asked["max_prefill_chunk"], str(path))
+        backend = BACKENDS[manifest.backend]
+        options = backend.session_options.read(backend_options, manifest.backend, RequestError)
+        limits = (limits or Limits()).resolved(manifest, str(path))
+        method, mtp = drafter_tokens(manifest, drafter, mtp, limits.max_prefill_chunk, str(path))
         if devices is not None:
             devices = check_devices(devices, len(manifest.stages), str(path), RequestError)
-        if microbatches is not None and not (is_integer(microbatches) and 1 <= microbatches <= asked["max_batch"]):
-            raise RequestError(f"microbatches must be an integer from 1 to max_batch {asked['max_batch']} "
+        if microbatches is not None and not (is_integer(microbatches) and 1 <= microbatches <= limits.max_batch):
+            raise RequestError(f"microbatches must be an integer from 1 to max_batch {limits.max_batch} "
                                f"(got {reprlib.repr(microbatches)})")
-        if share_threads and manifest.backend == "onnxruntime":
-            from .sessions.onnxruntime import share_thread_pool
-
-            share_thread_pool(threads)
-        options = {k: v for k, v in (("threads", threads), ("providers", providers)) if v}
-        if device_pools is not None:
-            options["device_pools"] = device_pools
-        if cuda_graphs is not None:
-            options["cuda_graphs"] = cuda_graphs
-        if (mtp and method.has_graph) or len(manifest.stages) > 1:
-            options["alternating"] = True       # sessions (target and draft, pipeline stages) take turns on the cores
-        target = open_target(path, manifest, devices, microbatches, **options)
+        if own_process:
+            backend.session_class().own_process(options)
+        # sessions that take turns on the cores: target and draft graph, pipeline stages
+        alternating = bool(mtp and method.has_graph) or len(manifest.stages) > 1
+        target = open_target(path, manifest, devices, microbatches, options=options, alternating=alternating)
 
         def open_graph(graph: str) -> EngineSession:       # a draft graph runs beside the last stage
-            return open_session(path, manifest, graph, device=devices[-1] if devices else None, **options)
+            return open_session(path, manifest, graph, device=devices[-1] if devices else None, options=options,
+                                alternating=alternating)
 
-        drafts = method.open(manifest, mtp, asked["max_prefill_chunk"], open_graph) if mtp else None
-        scheduler = Scheduler(manifest, target, drafts, max_cache_bytes=max_cache_bytes, prefix_cache=prefix_cache,
-                              **asked)
+        drafts = method.open(manifest, mtp, limits.max_prefill_chunk, open_graph) if mtp else None
+        scheduler = Scheduler(manifest, target, drafts, limits.max_batch, limits.max_seq_len,
+                              max_cache_bytes=limits.max_cache_bytes, max_prefill_chunk=limits.max_prefill_chunk,
+                              prefix_cache=prefix_cache)
         return cls(path, manifest, scheduler, load_tokenizer(path))
 
     # ------------------------------------------------------------------ prompts and requests

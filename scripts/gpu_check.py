@@ -31,7 +31,7 @@ scripts/gpu_check.sh runs first and hands over as JUnit XML (--tests).
     against what a step cost before the pools lived on the device, the whole pools of the B sequences crossing
     PCIe (their bytes at a measured pinned host-to-device copy).
 
-(f) CUDA graphs (v4build --cuda-graphs, runtime/cuda_graphs.py): TensorRT's recorded enqueue holds what the
+(f) CUDA graphs (v4build --cuda-graphs, contract/calls.py): TensorRT's recorded enqueue holds what the
     plugins launch (the routed experts' plugin runs its torch launcher inside it), so those launches must be
     recordable. This checks the kernels, not the engines (neither TensorRT nor onnxruntime-gpu is on the lent
     machine): every op's torch launcher at V4-Flash's verify shape (B = 8 rows of k + 1 = 4 queries at the

@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny checkpoints are made once per test session (per xdist worker) and reused."""
+"""Shared fixtures: tiny checkpoints and engines are made once per test run, shared by the xdist workers."""
 from __future__ import annotations
 
 import os
@@ -10,9 +10,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 from v4engine.builder.tiny import TINY_CONFIGS, make_tiny
 
@@ -20,37 +22,50 @@ TINY = sorted(TINY_CONFIGS)
 
 
 @pytest.fixture(scope="session")
-def tiny_checkpoint(tmp_path_factory):
-    """tiny_checkpoint(config, **options) -> folder; each distinct request is written once."""
-    made: dict[tuple, Path] = {}
+def shared(tmp_path_factory, worker_id) -> Callable[[str, Callable[[Path], object]], Path]:
+    """shared(name, make) -> a folder made once per test run by make(folder), whichever xdist worker asks first;
+    the others wait for it. Checkpoints and engines are read-only to the tests that share them (a test that
+    damages one works on a copy, `engine_copy`), so both workers can share what one built."""
+    root = tmp_path_factory.getbasetemp()
+    root = root.parent if worker_id != "master" else root      # every worker's base temp lies in one folder
+    made: dict[str, Path] = {}
 
+    def get(name: str, make: Callable[[Path], object]) -> Path:
+        if name not in made:
+            folder, done = root / "shared" / name, root / "shared" / f"{name}.done"
+            folder.parent.mkdir(exist_ok=True)
+            with FileLock(str(root / "shared" / f"{name}.lock")):
+                if not done.exists():
+                    make(folder)
+                    done.touch()
+            made[name] = folder
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(shared):
+    """tiny_checkpoint(config, **options) -> folder; each distinct request is written once per run."""
     def make(config: str = "mixed", **options) -> Path:
-        key = (config, tuple(sorted(options.items())))
-        if key not in made:
-            name = "-".join([config] + [f"{k}={v}" for k, v in sorted(options.items())])
-            made[key] = make_tiny(tmp_path_factory.mktemp("ckpt") / name, config=config, **options)
-        return made[key]
+        name = "-".join(["ckpt", config] + [f"{k}={v}" for k, v in sorted(options.items())])
+        return shared(name, lambda folder: make_tiny(folder, config=config, **options))
 
     return make
 
 
 @pytest.fixture(scope="session")
-def tiny_engine(tiny_checkpoint, tmp_path_factory):
-    """tiny_engine(config, mtp=3, **checkpoint options) -> (checkpoint folder, engine folder), built once.
+def tiny_engine(tiny_checkpoint, shared):
+    """tiny_engine(config, mtp=3, **checkpoint options) -> (checkpoint folder, engine folder), built once per run.
 
     Checkpoints use transformers' names so that the same folder also feeds the transformers oracle."""
     from v4engine.builder.build import BuildOptions, build
 
-    made: dict[tuple, tuple[Path, Path]] = {}
-
     def make(config: str = "mixed", mtp: int = 3, **options) -> tuple[Path, Path]:
-        key = (config, mtp, tuple(sorted(options.items())))
-        if key not in made:
-            checkpoint = tiny_checkpoint(config, names="hf", **options)
-            out = tmp_path_factory.mktemp("engine") / config
-            build(BuildOptions(checkpoint=checkpoint, output=out, mtp=mtp, progress=False))
-            made[key] = (checkpoint, out)
-        return made[key]
+        checkpoint = tiny_checkpoint(config, names="hf", **options)
+        name = "-".join(["engine", config, f"mtp={mtp}"] + [f"{k}={v}" for k, v in sorted(options.items())])
+        return checkpoint, shared(name, lambda folder: build(BuildOptions(checkpoint=checkpoint, output=folder,
+                                                                          mtp=mtp, progress=False)))
 
     return make
 
@@ -59,13 +74,12 @@ TRAINED = Path(__file__).resolve().parent.parent / "examples" / "tiny-v4"
 
 
 @pytest.fixture(scope="session")
-def trained_engine(tmp_path_factory) -> Path:
-    """The shipped trained tiny V4 (examples/tiny-v4) built with --mtp 3, once per session (per xdist worker)."""
+def trained_engine(shared) -> Path:
+    """The shipped trained tiny V4 (examples/tiny-v4) built with --mtp 3, once per run."""
     from v4engine.builder.build import BuildOptions, build
 
-    out = tmp_path_factory.mktemp("trained") / "engine"
-    build(BuildOptions(checkpoint=TRAINED, output=out, mtp=3, progress=False))
-    return out
+    return shared("trained-engine", lambda folder: build(BuildOptions(checkpoint=TRAINED, output=folder, mtp=3,
+                                                                      progress=False)))
 
 
 @pytest.fixture

@@ -2,7 +2,9 @@
 every file a block of code opens, and snapshots of folders that must not change."""
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -34,6 +36,16 @@ def assert_one_line(result: subprocess.CompletedProcess, *needles: str, status: 
     for needle in needles:
         assert needle in lines[0], lines[0]
     return lines[0]
+
+
+def without_tokenizer(engine: Path, folder: Path) -> Path:
+    """A copy of `engine` at `folder` without its tokenizer, as built from a checkpoint that ships none."""
+    copy = Path(shutil.copytree(engine, folder, symlinks=True))
+    manifest = json.loads((copy / "engine.json").read_text())
+    for name in manifest["tokenizer"]:
+        (copy / name).unlink()
+    (copy / "engine.json").write_text(json.dumps({**manifest, "tokenizer": []}))
+    return copy
 
 
 def canary(folder: Path, name: str = "secret.txt") -> Path:

@@ -113,6 +113,7 @@ def test_the_file_outside_is_never_opened(checkpoint, secret, attack):
 
 
 def test_a_tokenizer_linking_out_is_not_copied_into_the_engine(checkpoint, secret, tmp_path):
+    (checkpoint / "tokenizer.json").unlink()
     (checkpoint / "tokenizer.json").symlink_to(secret)
     result = v4build("--checkpoint", checkpoint, "--output", tmp_path / "engine", "--mtp", "0", "--quiet")
     assert_one_line(result, "tokenizer.json", "leads outside the checkpoint folder")

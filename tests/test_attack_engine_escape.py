@@ -130,6 +130,7 @@ def manifest_is_a_symlink_out(engine, secret):
 
 
 def tokenizer_is_a_symlink_out(engine, secret):
+    (engine / "tokenizer.json").unlink()
     (engine / "tokenizer.json").symlink_to(secret)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from hostile import assert_one_line, v4generate
+from hostile import assert_one_line, v4generate, without_tokenizer
 from v4engine.runtime.detokenize import UNSETTLED_TOKENS, IncrementalDetokenizer, final_text
 from v4engine.runtime.generator import Generator
 from v4engine.runtime.sampling import MAX_STOP_LENGTH, MAX_STOP_STRINGS, RequestError, SamplingParams
@@ -97,7 +97,7 @@ def test_generation_stops_where_the_whole_text_first_holds_a_stop_string(generat
         assert cut.finish_reason == ("length" if stop == UNSEEN else "stop")
 
 
-def test_stop_strings_on_an_engine_without_a_tokenizer_are_refused_not_ignored(tiny_engine):
-    generator = Generator.from_engine_dir(tiny_engine("mixed", agree=0.05)[1])
+def test_stop_strings_on_an_engine_without_a_tokenizer_are_refused_not_ignored(tiny_engine, tmp_path):
+    generator = Generator.from_engine_dir(without_tokenizer(tiny_engine("mixed", agree=0.05)[1], tmp_path / "e"))
     with pytest.raises(RequestError, match="has no tokenizer.json, which stop strings need"):
         generator.generate([[3, 4, 5]], SamplingParams(stop=("w3",)))

@@ -1,4 +1,4 @@
-"""The backend registry (runtime/backends.py): every entry is complete, and its compile record is engine.json's.
+"""The backend registry (contract/backends.py): every entry is complete, and its compile record is engine.json's.
 
 1. Each backend has a session class, a frozen compile record, a builder module with preflight, prepare_graph and
    compile_engine, and quantized formats the builder knows; `v4build --backend` offers exactly the registry.
@@ -41,7 +41,7 @@ def engines(tiny_engine, tmp_path_factory) -> Callable[[str], Path]:
         if name not in made:
             out = tmp_path_factory.mktemp("backends") / name
             build(BuildOptions(checkpoint=checkpoint, output=out, mtp=1, backend=name, progress=False,
-                               **WITHOUT_COMPILER.get(name, {})))
+                               backend_options=WITHOUT_COMPILER.get(name, {})))
             made[name] = out
         return made[name]
 
@@ -135,7 +135,7 @@ def test_a_profile_shape_of_another_rank_is_refused(engines, tmp_path):
 
 
 def test_migraphx_programs_must_follow_the_buckets_order(engines, tmp_path):
-    """One program per bucket of static shapes (runtime/buckets.py) of the profiles, in their order."""
+    """One program per bucket of static shapes (contract/buckets.py) of the profiles, in their order."""
     engine = engines("migraphx")
     manifest = EngineManifest.read(engine)
     buckets = {graph: [b.name for b in manifest.compiled.buckets(graph, entry.inputs)]

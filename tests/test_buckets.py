@@ -1,4 +1,4 @@
-"""Buckets of static shapes (runtime/buckets.py): what a MIGraphX engine compiles one program each for, and how a
+"""Buckets of static shapes (contract/buckets.py, padding in runtime/static_calls.py): what a MIGraphX engine compiles one program each for, and how a
 call is padded up to one and cut back.
 
 - A profile's buckets: batch and block-table width at the powers of two up to their maximum and the maximum; the

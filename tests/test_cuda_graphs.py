@@ -1,4 +1,4 @@
-"""CUDA graphs (v4build --cuda-graphs, runtime/cuda_graphs.py), checked as far as a machine without a GPU allows.
+"""CUDA graphs (v4build --cuda-graphs, contract/calls.py), checked as far as a machine without a GPU allows.
 
 1. The engine's graphs hold no control flow (no Loop, If or Scan, functions included), which a CUDA graph cannot
    hold, while a plain engine's do (Sinkhorn's Loop, the draft's conditionals); engine.json names the verify and
@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from v4engine.builder.build import BuildError, BuildOptions, build, control_flow
+from v4engine.contract.backend_options import OnnxRuntimeSessionOptions
 from v4engine.contract.calls import CAPTURED_CALLS
 from v4engine.contract.engine import EngineManifest
 from v4engine.contract.engine_folder import EngineFormatError
@@ -44,8 +45,8 @@ def engines(tiny_engine, tmp_path_factory) -> dict[str, Path]:
     checkpoint, plain = tiny_engine("mixed", agree=0.05)
     work = tmp_path_factory.mktemp("cuda_graphs")
     for backend, extra in (("onnxruntime", {}), ("tensorrt", {"onnx_only": True})):
-        build(BuildOptions(checkpoint=checkpoint, output=work / backend, mtp=3, backend=backend, cuda_graphs=True,
-                           progress=False, **extra))
+        build(BuildOptions(checkpoint=checkpoint, output=work / backend, mtp=3, backend=backend,
+                           backend_options={"cuda_graphs": True, **extra}, progress=False))
     return {"plain": plain, "onnxruntime": work / "onnxruntime", "tensorrt": work / "tensorrt",
             "checkpoint": checkpoint}
 
@@ -69,19 +70,20 @@ def test_the_graphs_hold_no_control_flow_and_engine_json_names_the_recorded_call
 
 
 def test_an_engine_without_mtp_records_its_verify_only(engines, tmp_path):
-    build(BuildOptions(checkpoint=engines["checkpoint"], output=tmp_path / "mtp0", mtp=0, cuda_graphs=True,
+    build(BuildOptions(checkpoint=engines["checkpoint"], output=tmp_path / "mtp0", mtp=0,
+                       backend_options={"cuda_graphs": True},
                        progress=False))
     assert EngineManifest.read(tmp_path / "mtp0").compiled.cuda_graphs == ("verify",)
-    ids = Generator.from_engine_dir(tmp_path / "mtp0", cuda_graphs=True).generate(PROMPTS[1],
+    ids = Generator.from_engine_dir(tmp_path / "mtp0", backend_options={"cuda_graphs": True}).generate(PROMPTS[1],
                                                                                   SamplingParams(max_new_tokens=6))
     plain = Generator.from_engine_dir(engines["plain"], mtp=0).generate(PROMPTS[1], SamplingParams(max_new_tokens=6))
     assert ids[0].token_ids == plain[0].token_ids
 
 
 def test_migraphx_refuses_the_flag_in_one_line(tiny_engine, tmp_path):
-    with pytest.raises(BuildError, match=r"^--cuda-graphs applies to --backend onnxruntime or tensorrt[^\n]*$"):
+    with pytest.raises(BuildError, match=r"^option 'cuda_graphs' is not one migraphx engines take[^\n]*$"):
         build(BuildOptions(checkpoint=tiny_engine("mixed")[0], output=tmp_path / "out", backend="migraphx",
-                           cuda_graphs=True, progress=False))
+                           backend_options={"cuda_graphs": True}, progress=False))
     assert not (tmp_path / "out").exists()
 
 
@@ -97,7 +99,7 @@ def counts(metrics: dict) -> dict:
                                                      seed=5)], ids=["greedy", "sampled", "filtered"])
 def test_recorded_calls_give_the_plain_engines_tokens_and_acceptance(engines, sampling):
     plain = Generator.from_engine_dir(engines["plain"]).generate(PROMPTS, sampling)
-    generator = Generator.from_engine_dir(engines["onnxruntime"], cuda_graphs=True)
+    generator = Generator.from_engine_dir(engines["onnxruntime"], backend_options={"cuda_graphs": True})
     recorded = generator.generate(PROMPTS, sampling)
     for a, b in zip(plain, recorded):
         assert a.token_ids == b.token_ids
@@ -112,7 +114,7 @@ def test_recorded_calls_give_the_plain_engines_tokens_and_acceptance(engines, sa
 def test_a_draft_cycle_over_fewer_positions_takes_a_smaller_bucket(engines):
     """Drafts mostly rejected (one prompt, greedy): each cycle runs over the one or two positions a verify
     committed, in a bucket of that many positions, not padded to k + 1 (at width the MoE would run them)."""
-    generator = Generator.from_engine_dir(engines["onnxruntime"], cuda_graphs=True)
+    generator = Generator.from_engine_dir(engines["onnxruntime"], backend_options={"cuda_graphs": True})
     generator.generate(PROMPTS[0], SamplingParams(max_new_tokens=16))
     assert any(name.endswith((".s1", ".s2")) for name in generator.scheduler.draft_session._captured.bound())
 
@@ -120,7 +122,7 @@ def test_a_draft_cycle_over_fewer_positions_takes_a_smaller_bucket(engines):
 def test_a_bucket_whose_pools_moved_is_bound_again(engines):
     """One verify call's feeds, run again on copies of its pools: bound to the copies (a new recording), so the
     results are the same, and follow the copies when those change (an old binding would read the old pools)."""
-    generator = Generator.from_engine_dir(engines["onnxruntime"], cuda_graphs=True)
+    generator = Generator.from_engine_dir(engines["onnxruntime"], backend_options={"cuda_graphs": True})
     session = generator.scheduler.target_session
     calls = []
     run = session.run
@@ -142,7 +144,7 @@ def test_a_bucket_whose_pools_moved_is_bound_again(engines):
 
 def test_outputs_already_returned_survive_the_next_call(engines):
     """The next replay writes the same buffers: what a call returned was copied out of them."""
-    generator = Generator.from_engine_dir(engines["onnxruntime"], cuda_graphs=True)
+    generator = Generator.from_engine_dir(engines["onnxruntime"], backend_options={"cuda_graphs": True})
     session = generator.scheduler.draft_session
     calls = []
     run = session.run
@@ -172,7 +174,7 @@ def test_recorded_profiles_other_than_the_per_token_calls_are_refused_in_one_lin
 
 def test_a_graph_without_a_recorded_profile_runs_unrecorded(engines, tmp_path):
     engine = edited(engines["onnxruntime"], tmp_path, ["cycle"])
-    generator = Generator.from_engine_dir(engine, cuda_graphs=True)
+    generator = Generator.from_engine_dir(engine, backend_options={"cuda_graphs": True})
     plain = Generator.from_engine_dir(engines["plain"]).generate(PROMPTS, SamplingParams(max_new_tokens=8))
     assert [r.token_ids for r in generator.generate(PROMPTS, SamplingParams(max_new_tokens=8))] == \
         [r.token_ids for r in plain]
@@ -182,4 +184,5 @@ def test_a_graph_without_a_recorded_profile_runs_unrecorded(engines, tmp_path):
 
 def test_recorded_calls_need_an_engine_built_for_them(engines):
     with pytest.raises(EngineFormatError, match=r"built without --cuda-graphs[^\n]*$"):
-        open_session(engines["plain"], EngineManifest.read(engines["plain"]), "target", cuda_graphs=True)
+        open_session(engines["plain"], EngineManifest.read(engines["plain"]), "target",
+                     options=OnnxRuntimeSessionOptions(cuda_graphs=True))

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from v4engine.runtime.budget import Limits
 from v4engine.runtime.cache import CachePool, SequenceCache
 from v4engine.runtime.generator import Generator
 from v4engine.runtime.pool_arrays import DeviceArrays, HostArrays, to_numpy, to_torch
@@ -30,7 +31,7 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
                          ids=["greedy", "sampled"])
 def test_device_pools_give_the_tokens_and_acceptance_of_host_pools(engine, params):
     host = Generator.from_engine_dir(engine, mtp=3, prefix_cache=False)
-    device = Generator.from_engine_dir(engine, mtp=3, prefix_cache=False, device_pools=True)
+    device = Generator.from_engine_dir(engine, mtp=3, prefix_cache=False, backend_options={"device_pools": True})
     assert host.scheduler.target_session.pool_device is None
     assert device.scheduler.target_session.pool_device == "cpu"
     assert all(isinstance(a, torch.Tensor) for p in device.scheduler.pools.values() for a in p.arrays.values())
@@ -44,7 +45,8 @@ def test_device_pools_give_the_tokens_and_acceptance_of_host_pools(engine, param
 def test_prefix_forks_on_device_pools_run_the_tokens_of_a_cold_run(engine):
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     cold = Generator.from_engine_dir(engine, mtp=3, prefix_cache=False)
-    warm = Generator.from_engine_dir(engine, mtp=3, device_pools=True, max_prefill_chunk=37)
+    warm = Generator.from_engine_dir(engine, mtp=3, limits=Limits(max_prefill_chunk=37),
+                                     backend_options={"device_pools": True})
     prefix = prompts(1, 37, seed=2)[0]              # past the 16-token block: a shared block and a copied one
     for i, prompt in enumerate([prefix + [5, 6, 7], prefix + [9, 1], prefix[:30]]):
         want, got = cold.generate([prompt], params)[0], warm.generate([prompt], params)[0]
@@ -130,7 +132,8 @@ def test_each_part_keeps_its_pools_where_its_session_reads_them(engine):
     from v4engine.runtime.pool_arrays import DeviceArrays, HostArrays
     from v4engine.runtime.scheduler import Scheduler
 
-    device, host = Generator.from_engine_dir(engine, mtp=3, device_pools=True), Generator.from_engine_dir(engine, mtp=3)
+    device = Generator.from_engine_dir(engine, mtp=3, backend_options={"device_pools": True})
+    host = Generator.from_engine_dir(engine, mtp=3)
     drafter = MtpDrafter(device.manifest, host.scheduler.draft_session, 3, max_prefill_chunk=512)
     scheduler = Scheduler(device.manifest, device.scheduler.target_session, drafter, max_batch=2, max_seq_len=128)
     for part, storage in (("target", DeviceArrays), ("draft", HostArrays)):
@@ -147,7 +150,8 @@ def test_a_gpu_provider_this_onnxruntime_lacks_leaves_the_pools_on_the_host(engi
 
     if "CUDAExecutionProvider" in ort.get_available_providers():
         pytest.skip("this ONNX Runtime has the CUDA provider")
-    gen = Generator.from_engine_dir(engine, mtp=3, providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
+    gen = Generator.from_engine_dir(engine, mtp=3,
+                                    backend_options={"providers": ["CUDAExecutionProvider", "CPUExecutionProvider"]})
     assert gen.scheduler.target_session.pool_device is None
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
     assert gen.generate([[1, 2, 3]], params)[0].token_ids == \

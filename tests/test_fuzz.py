@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from v4engine.builder.checkpoint import SAFETENSORS_DTYPES, Checkpoint, CheckpointError
 from v4engine.builder.tiny import TINY_CONFIGS
 from v4engine.contract.config import V4Config
+from v4engine.contract.drafting import MTP
 from v4engine.contract.engine import EngineFormatError, EngineManifest
 from v4engine.contract.errors import ConfigError
 from v4engine.contract.layout import CacheLayout
@@ -94,7 +95,8 @@ def test_config_json(config, path, value):
     raw = mutate(TINY_CONFIGS[config], path, value)
     cfg = bounded(V4Config.from_dict, raw)
     if isinstance(cfg, V4Config):
-        bounded(CacheLayout, cfg, False, 3)
+        bounded(CacheLayout.target, cfg, 3)
+        bounded(MTP.layout, cfg, 3)
 
 
 # ---------------------------------------------------------------------- engine.json

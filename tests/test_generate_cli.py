@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from hostile import without_tokenizer
 from v4engine.contract.engine import EngineFormatError
 from v4engine.runtime.generator import Generator
 
@@ -51,11 +52,14 @@ def test_text_and_acceptance_table(engine):
     (["--prompt-ids", "1,2", "--max-new-tokens", "0"], "max_new_tokens"),
     (["--prompt-ids", "1,2", "--temperature", "-1"], "temperature"),
     (["--prompt-ids", "1,x"], "--prompt-ids"),
-    (["--prompt", "hello"], "tokenizer"),
     (["--prompt-ids", "1,2", "--mtp", "7"], "mtp"),
 ])
 def test_bad_requests(engine, args, needle):
     one_line_error(v4generate(engine, *args), needle)
+
+
+def test_a_text_prompt_needs_the_engines_tokenizer(engine, tmp_path):
+    one_line_error(v4generate(without_tokenizer(engine, tmp_path / "e"), "--prompt", "hello"), "tokenizer")
 
 
 def test_prompt_longer_than_max_seq_len(engine):

@@ -1,4 +1,4 @@
-"""The cache layout (runtime/layout.py) is the one home of the caches' facts: their groups and names, the rows
+"""The cache layout (contract/layout.py) is the one home of the caches' facts: their groups and names, the rows
 they hold and a forward reads, the rows a forward emits, and the graphs' inputs and outputs that follow. Whoever
 else names or sizes a cache (the eager model, the exporter, the runtime's cache manager, the compressor ops) is
 checked against it here or by the engine tests that run them together."""
@@ -12,7 +12,7 @@ from v4engine.builder.model.v4 import LayerTensors
 from v4engine.builder.release import RELEASES
 from v4engine.builder.tiny import TINY_CONFIGS
 from v4engine.contract.config import CSA, HCA, V4Config
-from v4engine.contract.drafting import MTP
+from v4engine.contract.drafting import DRAFT_SPECS, MTP
 from v4engine.contract.layout import (CacheLayout, closed_windows, emitted_rows, target_specs, open_window_tokens,
                                      state_tokens)
 
@@ -49,12 +49,13 @@ def test_the_eager_model_holds_a_field_for_every_group(name):
 @pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
 def test_the_graphs_read_and_write_every_group_by_its_name(name):
     cfg = V4Config.from_dict(TINY_CONFIGS[name])
-    for draft in (False, True):
-        inputs, outputs = MTP.graph_specs(cfg, "float32", 3) if draft else target_specs(cfg)
-        layout = MTP.layout(cfg) if draft else CacheLayout.target(cfg)
+    graphs = [(target_specs(cfg), CacheLayout.target(cfg))]                 # the target, and every draft graph
+    graphs += [(spec.graph_specs(cfg, "float32", 3), spec.layout(cfg)) for spec in DRAFT_SPECS.values()]
+    assert CacheLayout.target(cfg).paged and not MTP.layout(cfg).paged
+    for (inputs, outputs), layout in graphs:
         assert [s.name for s in inputs if s.name.startswith("pool.")] == [g.pool for g in layout.groups]
         assert [s.name for s in outputs if s.name.startswith("new.")] == [g.new for g in layout.groups]
-        assert ("block_table" in {s.name for s in inputs}) == (not draft) == layout.paged
+        assert ("block_table" in {s.name for s in inputs}) == layout.paged
         for spec, g in zip((s for s in inputs if s.name.startswith("pool.")), layout.groups):
             assert spec.shape == (("pool_blocks", g.block_rows, g.width) if g.ratio
                                   else ("pool_slots", g.rows_fixed, g.width))

@@ -30,6 +30,7 @@ from v4engine.contract.backends import Program
 from v4engine.contract.engine import EngineManifest
 from v4engine.contract.engine_folder import EngineFormatError
 from v4engine.contract.errors import V4EngineError
+from v4engine.runtime.budget import Limits
 from v4engine.runtime.generator import Generator
 from v4engine.runtime.sampling import SamplingParams
 from v4engine.runtime.sessions import open_session
@@ -228,7 +229,7 @@ def test_pools_the_programs_take_must_fit_the_cache_budget(compiled, standin):
     """The programs take pools of max_batch x max_seq_len as built, allocated whole: a smaller budget is refused in
     one line at load, not met by the first call."""
     with pytest.raises(V4EngineError, match="rebuild it with a smaller --max-batch or --max-seq-len") as failure:
-        Generator.from_engine_dir(compiled, mtp=2, max_cache_bytes=1 << 16)
+        Generator.from_engine_dir(compiled, mtp=2, limits=Limits(max_cache_bytes=1 << 16))
     assert "\n" not in str(failure.value)
 
 

@@ -16,6 +16,7 @@ import torch
 from v4engine.builder.build import BuildError, BuildOptions, build
 from v4engine.builder.load import open_checkpoint
 from v4engine.builder.stages import ModelBytes, StageError, model_bytes, plan_stages
+from v4engine.contract.backend_options import OnnxRuntimeSessionOptions
 from v4engine.contract.backends import BACKENDS
 from v4engine.contract.engine import EngineManifest
 from v4engine.contract.engine_folder import EngineFormatError
@@ -62,7 +63,7 @@ def _generate(engine, **options) -> list[tuple[list[int], dict]]:
 
 # --------------------------------------------------------------------------- where the layers are cut
 def test_the_plan_minimizes_the_largest_stage():
-    sizes = ModelBytes(layers=[10, 10, 10, 10, 10, 10], embedding=5, final=1, head=4, mtp=8)
+    sizes = ModelBytes(layers=[10, 10, 10, 10, 10, 10], embedding=5, final=1, head=4, draft=8)
     stages = plan_stages(sizes, 2, draft=True)
     assert [list(s.layers) for s in stages] == [[0, 1, 2, 3], [4, 5]]
     # stage 0: 40 + 5; stage 1: 20 + 1 + 4 (head) + 8 + 5 + 4 (the draft's own layer, embedding and head again)
@@ -83,7 +84,7 @@ def test_the_plan_counts_what_the_build_attached(engines, quantize):
     for stages in STAGE_COUNTS:
         manifest = EngineManifest.read(engines[quantize, stages])
         cfg, ckpt = open_checkpoint(manifest.checkpoint["path"], mtp=True)
-        sizes = model_bytes(cfg, ckpt, BACKENDS["onnxruntime"], torch.float32, mtp=True)
+        sizes = model_bytes(cfg, ckpt, BACKENDS["onnxruntime"], torch.float32, draft=True)
         assert [e.bytes for e in manifest.stages] == [sizes.stage(e.stage, draft=True) for e in manifest.stages]
         if stages > 1:
             assert [e.stage.layers for e in manifest.stages] == \
@@ -169,10 +170,10 @@ def test_each_stage_keeps_its_pools_where_its_session_reads_them(engines):
     groups are allocated where that stage reads them, and the tokens do not change."""
     engine = engines["fp8", 2]
     manifest = EngineManifest.read(engine)
-    host, device = (OnnxRuntimeSession(engine, manifest, graph, device_pools=flag)
+    host, device = (OnnxRuntimeSession(engine, manifest, graph, options=OnnxRuntimeSessionOptions(device_pools=flag))
                     for graph, flag in zip(manifest.stage_graphs, (False, True)))
     target = PipelineSession([host, device])
-    draft = open_session(engine, manifest, "draft", device_pools=True)
+    draft = open_session(engine, manifest, "draft", options=OnnxRuntimeSessionOptions(device_pools=True))
     scheduler = Scheduler(manifest, target, MtpDrafter(manifest, draft, 3, max_prefill_chunk=512), max_batch=4,
                           max_seq_len=256)
     pool = scheduler.pools["target"]
@@ -231,7 +232,8 @@ def test_every_backend_builds_the_stages(engines, tiny_checkpoint, tmp_path, bac
 
     out = tmp_path / backend
     build(BuildOptions(checkpoint=tiny_checkpoint("flash_like", quantize="mxfp4", agree=0.05), output=out, mtp=3,
-                       pipeline_stages=2, backend=backend, onnx_only=backend == "tensorrt", progress=False))
+                       pipeline_stages=2, backend=backend,
+                       backend_options={"onnx_only": True} if backend == "tensorrt" else {}, progress=False))
     manifest = EngineManifest.read(out)
     assert manifest.stage_graphs == ["target.0", "target.1"]
     profiles = manifest.compiled.profiles
@@ -240,7 +242,7 @@ def test_every_backend_builds_the_stages(engines, tiny_checkpoint, tmp_path, bac
     assert all(STAGE_INPUT in p.shapes for p in profiles["target.1"])
     assert not any(STAGE_INPUT in p.shapes for p in profiles["target.0"])
     cfg, ckpt = open_checkpoint(manifest.checkpoint["path"], mtp=True)      # each backend's own resident form
-    sizes = model_bytes(cfg, ckpt, BACKENDS[backend], torch.float32, mtp=True)
+    sizes = model_bytes(cfg, ckpt, BACKENDS[backend], torch.float32, draft=True)
     assert [e.bytes for e in manifest.stages] == [sizes.stage(e.stage, draft=True) for e in manifest.stages]
     same, verdict = compare_with_onnxruntime(manifest, engines["mxfp4", 2],
                                              lambda g: OnnxrtRunner(SessionFromOnnx(str(out / f"{g}.onnx"))), atol=1e-4)

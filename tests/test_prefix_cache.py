@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from v4engine.runtime.budget import Limits
 from v4engine.runtime.generator import Generator
 from v4engine.runtime.sampling import SamplingParams
 
@@ -23,8 +24,8 @@ def engine(tiny_engine):
 def same_as_cold(engine, chunk: int, prompts: list[list[int]], params: SamplingParams) -> list[dict]:
     """Generate `prompts` one after another with the prefix cache and without; assert equal tokens and acceptance;
     the warm runs' metrics."""
-    cold = Generator.from_engine_dir(engine, mtp=3, prefix_cache=False, max_prefill_chunk=chunk)
-    warm = Generator.from_engine_dir(engine, mtp=3, max_prefill_chunk=chunk)
+    cold = Generator.from_engine_dir(engine, mtp=3, prefix_cache=False, limits=Limits(max_prefill_chunk=chunk))
+    warm = Generator.from_engine_dir(engine, mtp=3, limits=Limits(max_prefill_chunk=chunk))
     metrics = []
     for i, p in enumerate(prompts):
         want, got = cold.generate([p], params)[0], warm.generate([p], params)[0]
@@ -92,7 +93,7 @@ def test_only_blocks_no_running_request_holds_count_as_freeable(engine):
 
 
 def test_a_huge_budget_gets_no_more_blocks_than_max_batch_rows_of_max_seq_len(engine):
-    gen = Generator.from_engine_dir(engine, mtp=3, max_batch=2, max_seq_len=256, max_cache_bytes=1 << 40)
+    gen = Generator.from_engine_dir(engine, mtp=3, limits=Limits(max_batch=2, max_seq_len=256, max_cache_bytes=1 << 40))
     layout = gen.manifest.caches["target"]
     assert len(gen.scheduler.pools["target"].refs) == 2 * (layout.blocks_for(256) + 1)
 
@@ -108,9 +109,10 @@ def test_turning_it_off_keeps_no_entries(engine):
 def test_a_small_budget_still_keeps_two_snapshots_per_batch_row(engine):
     """An eighth of a small budget may hold less than one snapshot (a wide model's rings): the floor of two per
     batch row keeps the snapshots of a shared prefix, and a later prompt forks from them."""
-    probe = Generator.from_engine_dir(engine, mtp=3, max_batch=2)
+    probe = Generator.from_engine_dir(engine, mtp=3, limits=Limits(max_batch=2))
     budget = 2 * probe.scheduler.cache_bytes(160)
-    gen = Generator.from_engine_dir(engine, mtp=3, max_batch=2, max_cache_bytes=budget, max_prefill_chunk=32)
+    gen = Generator.from_engine_dir(engine, mtp=3,
+                                    limits=Limits(max_batch=2, max_prefill_chunk=32, max_cache_bytes=budget))
     prefix = tokens(96, seed=11)
     first = gen.generate([prefix + tokens(7, 1)], GREEDY)[0]
     entry = next(iter(gen.scheduler.prefix.entries.values()))

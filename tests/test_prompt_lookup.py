@@ -1,7 +1,6 @@
 """Prompt lookup: a drafter without weights, on the drafter seam. It drafts what followed the latest earlier
-occurrence of the request's last n-gram, on any engine, and is lossless like every drafter: greedy tokens equal
-those of no drafting, sampled ones follow the target's distribution (test_sampling.py), batches and prefix-cache
-hits change nothing."""
+occurrence of the request's last n-gram, on any engine, and is lossless like every drafter (test_drafters.py:
+greedy, batches, prefix forks, preemption; test_sampling.py: the joint distribution at T = 1)."""
 from __future__ import annotations
 
 import json
@@ -50,28 +49,6 @@ def test_the_latest_occurrence_of_the_longest_ngram_wins():
     assert drafter.lookup(LookupState({n: {} for n in drafter.ngrams}), [4, 5, 6], 3) == []
 
 
-def repetitive_prompts(engine) -> list[list[int]]:
-    """Held-out-like code that repeats its own context, tokenized by the engine's tokenizer."""
-    tokenizer = Generator.from_engine_dir(engine, mtp=0).tokenizer
-    texts = ["def area(self):\n    return self.width * self.height\n\ndef perimeter(self):\n    return 2 * (self.width"
-             " + self.height)\n\ndef scale(self, factor):\n    self.width = self.width * factor\n",
-             "for i in range(10):\n    print(i)\nfor j in range(10):\n    print(j)\nfor k in range(",
-             "import os\nimport sys\nimport os.path\n"]
-    return [tokenizer.encode(t).ids for t in texts]
-
-
-@pytest.mark.parametrize("k", [1, 3, 5])
-def test_greedy_tokens_equal_those_without_drafting_on_the_trained_model(trained_engine, k):
-    prompts = repetitive_prompts(trained_engine)
-    plain = Generator.from_engine_dir(trained_engine, mtp=0).generate(prompts, GREEDY)
-    lookup = Generator.from_engine_dir(trained_engine, drafter="prompt_lookup", mtp=k)
-    got = lookup.generate(prompts, GREEDY)
-    assert [r.token_ids for r in got] == [r.token_ids for r in plain]
-    assert lookup.totals.accepted > 0, "repeated context is drafted and accepted"
-    solo = [lookup.generate([p], GREEDY)[0].token_ids for p in prompts]
-    assert solo == [r.token_ids for r in got], "a batch gives each request its solo tokens"
-
-
 def test_an_engine_built_without_a_draft_graph_drafts_with_prompt_lookup(tiny_engine):
     _, engine = tiny_engine("mixed", mtp=0)
     assert EngineManifest.read(engine).drafter is None
@@ -81,20 +58,6 @@ def test_an_engine_built_without_a_draft_graph_drafts_with_prompt_lookup(tiny_en
     assert lookup.scheduler.mtp == 3, "k defaults to 3 on an engine without a draft graph"
     assert [r.token_ids for r in lookup.generate(prompts, GREEDY)] == [r.token_ids for r in plain]
     assert lookup.totals.drafted > 0
-
-
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_a_prefix_cache_hit_gives_the_cold_tokens(trained_engine, temperature):
-    prompt = sum(repetitive_prompts(trained_engine), []) * 3          # longer than a cache block: entries are taken
-    assert len(prompt) > 2 * EngineManifest.read(trained_engine).caches["target"].block_tokens
-    params = SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=temperature, seed=3)
-    cold = Generator.from_engine_dir(trained_engine, drafter="prompt_lookup", prefix_cache=False)
-    warm = Generator.from_engine_dir(trained_engine, drafter="prompt_lookup")
-    want = cold.generate([prompt], params)[0]
-    warm.generate([prompt + [5, 6, 7]], params)                     # leaves entries along the shared prefix
-    got = warm.generate([prompt], params)[0]
-    assert got.metrics["prefix_hit_tokens"] > 0
-    assert got.token_ids == want.token_ids and got.metrics["accepted_per_step"] == want.metrics["accepted_per_step"]
 
 
 def test_refused_in_one_line(trained_engine, tiny_engine):

@@ -9,6 +9,7 @@ import torch
 
 from v4engine.builder.load import load_model
 from v4engine.builder.model import ModelState
+from v4engine.runtime.budget import Limits
 from v4engine.runtime.generator import Generator
 from v4engine.runtime.sampling import SamplingParams, accept_sampled, distribution
 
@@ -56,7 +57,7 @@ def test_first_two_sampled_tokens_follow_the_target_joint_distribution(tiny_engi
     exact = {(a, b): p1[a] * pb for a in np.flatnonzero(p1) for b, pb in enumerate(target_probs(prompt + [a]))
              if pb > 0}
 
-    generator = Generator.from_engine_dir(engine, max_batch=64, **options)
+    generator = Generator.from_engine_dir(engine, limits=Limits(max_batch=64), **options)
     results = generator.generate([prompt] * N, [SamplingParams(max_new_tokens=2, ignore_eos=True, seed=s, **SHAPE)
                                                for s in range(N)])
     observed: dict[tuple[int, int], int] = {}

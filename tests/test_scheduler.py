@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from v4engine.runtime.budget import Limits
 from v4engine.runtime.generator import Generator
 from v4engine.runtime.sampling import RequestError, SamplingParams
 from v4engine.runtime.scheduler import CapacityError, Phase
@@ -34,7 +35,7 @@ def test_mixed_phases_in_one_call_and_requests_joining_and_leaving(engine):
     alone = [solo.generate([p], SamplingParams(max_new_tokens=n, ignore_eos=True))[0].token_ids
              for p, n in zip(ps, lengths)]
 
-    gen = Generator.from_engine_dir(engine, mtp=3, max_prefill_chunk=3)
+    gen = Generator.from_engine_dir(engine, mtp=3, limits=Limits(max_prefill_chunk=3))
     scheduler = gen.scheduler
     requests, mixed_call_seen = [], False
     arrivals = {0: [0, 1], 2: [2], 4: [3], 7: [4]}                   # step -> requests that join then
@@ -52,7 +53,7 @@ def test_mixed_phases_in_one_call_and_requests_joining_and_leaving(engine):
 
 
 def test_a_request_holds_a_slot_and_only_the_blocks_its_positions_need(engine):
-    gen = Generator.from_engine_dir(engine, mtp=3, max_batch=8)
+    gen = Generator.from_engine_dir(engine, mtp=3, limits=Limits(max_batch=8))
     manifest, scheduler = gen.manifest, gen.scheduler
     written = json.loads((engine / "engine.json").read_text())["caches"]["groups"]
     pool = scheduler.pools["target"]
@@ -88,7 +89,7 @@ def budget_for(gen: Generator, batch: int, blocks: int) -> int:
 def test_a_request_that_cannot_fit_is_refused_before_anything_runs(engine):
     probe = Generator.from_engine_dir(engine, mtp=3)
     one = budget_for(probe, 2, probe.scheduler.blocks_for(40 + 12 + 4))
-    gen = Generator.from_engine_dir(engine, mtp=3, max_cache_bytes=one, max_batch=2)
+    gen = Generator.from_engine_dir(engine, mtp=3, limits=Limits(max_batch=2, max_cache_bytes=one))
     cfg = gen.manifest.model
     running = gen.scheduler.submit(prompts(cfg.vocab_size, [40])[0], GREEDY)
     gen.scheduler.step()
@@ -111,8 +112,8 @@ def test_when_the_pool_runs_out_the_newest_requests_are_preempted_and_recompute_
     params = [SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=temperature, seed=i) for i in range(4)]
     alone = [solo.generate([p], s)[0] for p, s in zip(ps, params)]
     # four batch rows, blocks for about two of the requests at their longest
-    small = Generator.from_engine_dir(engine, mtp=3, max_batch=4, prefix_cache=False,
-                                      max_cache_bytes=budget_for(solo, 4, 2 * solo.scheduler.blocks_for(35 + 28)))
+    budget = budget_for(solo, 4, 2 * solo.scheduler.blocks_for(35 + 28))
+    small = Generator.from_engine_dir(engine, mtp=3, prefix_cache=False, limits=Limits(max_batch=4, max_cache_bytes=budget))
     results = small.generate(ps, params)
     assert sum(r.metrics["preemptions"] for r in results) > 0, "the pool ran out"
     assert results[0].metrics["preemptions"] == 0, "the oldest request always progresses"
@@ -182,7 +183,7 @@ def test_stop_strings_cut_the_text(engine, tmp_path):
 
 
 def test_a_request_that_reaches_max_seq_len_ends_with_length(engine):
-    gen = Generator.from_engine_dir(engine, mtp=3, max_seq_len=16)
+    gen = Generator.from_engine_dir(engine, mtp=3, limits=Limits(max_seq_len=16))
     [r] = gen.generate([list(range(3, 15))], SamplingParams(max_new_tokens=20, ignore_eos=True))
     assert r.finish_reason == "length" and len(r.prompt_token_ids) + len(r.token_ids) == 16
 

@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from v4engine.runtime.budget import Limits
 from v4engine.runtime.generator import Generator
 from v4engine.runtime.sampling import RequestError, SamplingParams
 from v4engine.runtime.serving import QueueFullError, ServingLoop
@@ -16,7 +17,7 @@ PARAMS = SamplingParams(max_new_tokens=16, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def generator(trained_engine) -> Generator:
-    return Generator.from_engine_dir(trained_engine, max_batch=4)
+    return Generator.from_engine_dir(trained_engine, limits=Limits(max_batch=4))
 
 
 async def collect(serving: ServingLoop, prompt, params=PARAMS) -> tuple[list[int], int, str]:

@@ -40,6 +40,7 @@ from v4engine.contract.engine_folder import EngineFormatError
 from v4engine.contract.profiles import Profile, ProfileError, choose_profile
 from v4engine.plugins import AOT_OPS, DOMAIN, PLUGIN_OPS
 from v4engine.plugins.moe import decode_fp8, decode_mxfp4
+from v4engine.runtime.budget import Limits
 from v4engine.runtime.generator import Generator
 from v4engine.runtime.sampling import RequestError
 from v4engine.runtime.sampling import SamplingParams
@@ -58,7 +59,7 @@ def prepared(tiny_checkpoint, tmp_path_factory):
         if quantize not in made:
             checkpoint = tiny_checkpoint("flash_like", quantize=quantize)
             out = tmp_path_factory.mktemp("trt") / quantize
-            build(BuildOptions(checkpoint=checkpoint, output=out, mtp=2, backend="tensorrt", onnx_only=True,
+            build(BuildOptions(checkpoint=checkpoint, output=out, mtp=2, backend="tensorrt", backend_options={"onnx_only": True},
                                max_batch=4, max_seq_len=256, max_prefill_chunk=16, progress=False))
             made[quantize] = (checkpoint, out)
         return made[quantize]
@@ -239,12 +240,12 @@ class RecordingSession:
 
 def test_profiles_cover_every_call_the_scheduler_makes(tiny_engine):
     _, engine = tiny_engine("flash_like", mtp=3)
-    generator = Generator.from_engine_dir(engine, mtp=3, max_batch=3, max_prefill_chunk=5)
+    generator = Generator.from_engine_dir(engine, mtp=3, limits=Limits(max_batch=3, max_prefill_chunk=5))
     manifest = generator.manifest
     manifest.build.update(max_batch=3, max_prefill_chunk=5)       # as the engine would have been built
     scheduler = generator.scheduler
     scheduler.target_session = target = RecordingSession(scheduler.target_session)
-    scheduler.draft_session = draft = RecordingSession(scheduler.draft_session)
+    scheduler.drafter.session = draft = RecordingSession(scheduler.drafter.session)
     prompts = [[3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [5, 6], [7, 8, 9, 10, 11, 12, 13]]
     generator.generate(prompts, SamplingParams(max_new_tokens=12, ignore_eos=True))
     for graph, session, kinds in (("target", target, {"prefill", "verify"}), ("draft", draft, {"extend", "cycle"})):
@@ -374,7 +375,7 @@ def test_the_runtime_refuses_batches_lengths_and_chunks_beyond_the_profiles(prep
     _, engine = prepared("fp8")
     for option, value in (("max_batch", 5), ("max_seq_len", 257), ("max_prefill_chunk", 17)):
         with pytest.raises(RequestError, match=f"{option} {value} exceeds the {value - 1} this tensorrt engine"):
-            Generator.from_engine_dir(engine, **{option: value})
+            Generator.from_engine_dir(engine, limits=Limits(**{option: value}))
 
 
 def test_a_prepared_engine_does_not_open_without_tensorrt(prepared):

@@ -1,4 +1,4 @@
-"""share_threads=True (share_thread_pool()): target and draft run on one process-wide ONNX Runtime pool (what
+"""own_process=True (share_thread_pool()): target and draft run on one process-wide ONNX Runtime pool (what
 v4generate, the demo and the benchmarks ask for), and generate exactly what sessions with pools of their own do.
 
 ONNX Runtime makes the switch for the whole process and for good, so each case runs in a child process of its own:
@@ -22,7 +22,7 @@ def threads() -> int:
 
 shared = sys.argv[2] == "shared"
 before = threads()
-generator = Generator.from_engine_dir(sys.argv[1], mtp=2, threads=2, share_threads=shared)
+generator = Generator.from_engine_dir(sys.argv[1], mtp=2, own_process=shared, backend_options={"threads": 2})
 [result] = generator.generate([[3, 4, 5, 6, 7, 8]], SamplingParams(max_new_tokens=12, ignore_eos=True))
 refused = None
 if shared:       # what ONNX Runtime does to a later session that asks for a pool of its own

@@ -15,9 +15,11 @@ bundles on a rendered repository.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 
+from v4engine.contract.backends import BACKENDS
 from v4engine.contract.engine import EngineManifest
 from v4engine.contract.errors import V4EngineError
 from v4engine.contract.stages import check_devices
@@ -82,9 +84,12 @@ def render(engine_dir: str | Path, out: str | Path, *, gpu: bool = False, max_ba
     if not out.parent.is_dir():
         raise RenderError(f"{out.parent}: no such folder")
     try:
+        # on GPUs, a backend whose sessions choose execution providers (ONNX Runtime's) is given CUDA's
+        takes = {f.name for f in dataclasses.fields(BACKENDS[manifest.backend].session_options)}
+        providers = ("CUDAExecutionProvider", "CPUExecutionProvider") if (gpu or gpus) and "providers" in takes else ()
         options = Options(engine_dir=str(engine_dir), max_seq_len=manifest.limits["max_seq_len"],
                           max_batch=max_batch, max_queue_size=max_queue_size, instance_count=instance_count, gpu=gpu,
-                          gpus=tuple(gpus), drafter=drafter, mtp=mtp)
+                          gpus=tuple(gpus), drafter=drafter, mtp=mtp, providers=providers)
         configs = model_configs(options)
     except ValueError as e:
         raise RenderError(f"{engine_dir}: cannot be written into a config.pbtxt: {e}") from None

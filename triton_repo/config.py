@@ -45,6 +45,7 @@ class Options:
     gpus: tuple[int, ...] = ()      # an instance spanning these GPUs, one per pipeline stage (KIND_MODEL)
     drafter: str | None = None      # the drafting method (None: the engine's own)
     mtp: int | None = None          # draft tokens per step (None: the drafter's default)
+    providers: tuple[str, ...] = ()  # execution providers for a backend whose sessions take them, on GPUs
 
 
 # The settings a client may send, named as tensorrtllm_backend names them where it has the setting.
@@ -53,7 +54,7 @@ SAMPLING = (
     Tensor("top_p", "FP32", optional=True),
     Tensor("top_k", "INT32", optional=True),
     Tensor("seed", "INT64", optional=True),
-    Tensor("num_draft_tokens", "INT32", optional=True),  # MTP drafts per step, 0..the engine's k (default k)
+    Tensor("num_draft_tokens", "INT32", optional=True),  # drafts per step, 0..the repository's k (default k)
     Tensor("ignore_eos", "BOOL", optional=True),
     Tensor("stream", "BOOL", optional=True),             # one response per step instead of one at the end
     Tensor("exclude_input_in_output", "BOOL", optional=True),   # default true: generated text only
@@ -150,8 +151,8 @@ def python_model(model: Model, options: Options) -> mc.ModelConfig:
         values.update(max_batch=options.max_batch, max_queue_size=options.max_queue_size)
         values.update({name: value for name, value in (("drafter", options.drafter), ("mtp", options.mtp))
                        if value is not None})
-        if options.gpu or options.gpus:
-            values["providers"] = "CUDAExecutionProvider,CPUExecutionProvider"
+        if options.providers:
+            values["providers"] = ",".join(options.providers)
         if options.gpus:
             values["gpus"] = ",".join(map(str, options.gpus))
     for key, value in values.items():

@@ -122,7 +122,8 @@ class TritonServer:
     seconds raises ServerError ending with the log's last lines."""
 
     def __init__(self, repository: str | Path, env: str | Path, *, work_dir: str | Path | None = None,
-                 startup_timeout: float = 120.0, exit_timeout: int = 5, log_verbose: int = 0):
+                 http_port: int | None = None, startup_timeout: float = 120.0, exit_timeout: int = 5,
+                 log_verbose: int = 0):
         self.repository = Path(repository).resolve()
         self.env = ServingEnv.find(env)
         self.work_dir = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="tritonserver-"))
@@ -131,6 +132,7 @@ class TritonServer:
         self.temp_dir: Path | None = None              # made by start()
         self.shm_prefix = f"v4engine-triton-{secrets.token_hex(8)}-"
         self.process: subprocess.Popen | None = None
+        self.asked_http_port = http_port                 # None: a free one, chosen by start() as the others are
         self.http_port = self.grpc_port = self.metrics_port = 0      # chosen by start(), with the URLs
         self.http_url = self.grpc_url = self.metrics_url = ""
 
@@ -170,6 +172,7 @@ class TritonServer:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.temp_dir = Path(tempfile.mkdtemp(prefix="v4engine-triton-"))
         self.http_port, self.grpc_port, self.metrics_port = free_ports(3)
+        self.http_port = self.asked_http_port or self.http_port
         self.http_url, self.grpc_url = f"{HOST}:{self.http_port}", f"{HOST}:{self.grpc_port}"
         self.metrics_url = f"http://{HOST}:{self.metrics_port}/metrics"
         with open(self.log_path, "wb") as log:

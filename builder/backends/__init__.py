@@ -1,11 +1,13 @@
-"""Backend compilers: one module per backend of the runtime's registry (runtime/backends.py), named after it.
+"""Backend compilers: one module per backend of the runtime's registry (contract/backends.py), named after it.
 
 Each module provides the three steps of a build that differ by backend:
 - `preflight(options)`: fail before the export when the backend's compiler is needed but missing (one clear line);
+  `options`: the backend's own build options (contract/backend_options.py);
 - `prepare_graph(model, name)`: the backend's rewrite of an exported graph, in memory, before the build checks and
   saves it: (the graph, what to record of it);
-- `compile_engine(engine_dir, manifest, options, prepared)`: compile (and check) the saved graphs; returns the
-  backend's compile record, which engine.json holds as `build.compile`.
+- `compile_engine(engine_dir, manifest, build, options, prepared)`: compile (and check) the saved graphs (`build`:
+  the whole build's options, `options` the backend's own); returns the backend's compile record, which engine.json
+  holds as `build.compile`.
 The functions here run the step of the module of the backend asked for."""
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+from v4engine.contract.backend_options import BackendOptions
 from v4engine.contract.backends import BACKENDS, CompileRecord
 from v4engine.contract.engine import EngineManifest
 
@@ -24,7 +27,6 @@ if TYPE_CHECKING:
 
 # The quantized weight formats each backend keeps quantized in place (the registry says why)
 QUANTIZED_IN_PLACE = {name: backend.quantized_in_place for name, backend in BACKENDS.items()}
-TENSORRT_OPTIMIZATION_LEVEL = 3              # --builder-optimization-level's default, TensorRT's own
 
 
 def builder_module(backend: str) -> ModuleType:
@@ -32,9 +34,9 @@ def builder_module(backend: str) -> ModuleType:
     return import_module(BACKENDS[backend].builder)
 
 
-def preflight(options: BuildOptions) -> None:
+def preflight(backend: str, options: BackendOptions) -> None:
     """Fail before the export when the backend's compiler is needed but missing (one clear line)."""
-    builder_module(options.backend).preflight(options)
+    builder_module(backend).preflight(options)
 
 
 def prepare_graph(backend: str, model: onnx.ModelProto, name: str) -> tuple[onnx.ModelProto, Any]:
@@ -43,8 +45,8 @@ def prepare_graph(backend: str, model: onnx.ModelProto, name: str) -> tuple[onnx
     return builder_module(backend).prepare_graph(model, name)
 
 
-def compile_engine(engine_dir: Path, manifest: EngineManifest, options: BuildOptions, prepared: dict[str, Any]
-                   ) -> CompileRecord:
+def compile_engine(engine_dir: Path, manifest: EngineManifest, build: BuildOptions, options: BackendOptions,
+                   prepared: dict[str, Any]) -> CompileRecord:
     """Compile (and check) the graphs of engine_dir for manifest.backend; returns what engine.json records of it.
     prepared: what prepare_graph recorded of each graph."""
-    return builder_module(manifest.backend).compile_engine(engine_dir, manifest, options, prepared)
+    return builder_module(manifest.backend).compile_engine(engine_dir, manifest, build, options, prepared)

@@ -14,7 +14,7 @@ reads model-local functions, documents opsets up to 19 and rejects FLOAT8E4M3FN 
 4. `check` compares every op, tensor type and the opset with the allowlist and fails the build with one line
    naming every offender.
 Then, where the `migraphx` module imports, each graph is compiled once per bucket of its optimization profiles
-(static shapes, runtime/buckets.py: MIGraphX's releases compile a graph of several dynamic dimensions only behind
+(static shapes, contract/buckets.py: MIGraphX's releases compile a graph of several dynamic dimensions only behind
 a development option, and take the caller's output buffers only at static shapes), with offload_copy off and the
 weights as parameters (so that the buckets' programs share one copy of them on the GPU), and saved as
 `{graph}.{bucket}.mxr`; elsewhere the engine folder gets `compile_migraphx.sh`, which does the same on the ROCm
@@ -36,7 +36,8 @@ import onnx
 from onnx import inliner
 from tqdm import tqdm
 
-from v4engine.contract.backends import MIGraphXCompiled, Program, Variant
+from v4engine.contract.backend_options import MIGraphXBuild
+from v4engine.contract.backends import MIGRAPHX_SCRIPT, MIGraphXCompiled, Program, Variant
 from v4engine.contract.buckets import graph_buckets
 from v4engine.contract.engine import EngineManifest
 from v4engine.contract.engine_folder import EngineFolder
@@ -51,7 +52,6 @@ if TYPE_CHECKING:
     from ..build import BuildOptions
 
 ALLOWLIST = Path(__file__).with_name("migraphx_ops.json")
-SCRIPT = "compile_migraphx.sh"
 
 
 class MIGraphXCheckError(V4EngineError):
@@ -125,7 +125,7 @@ def check(model: onnx.ModelProto, name: str | Path) -> None:
                                  + "; ".join(found))
 
 
-def preflight(options: BuildOptions) -> None:
+def preflight(options: MIGraphXBuild) -> None:
     """Nothing to check: without MIGraphX the build leaves compile_migraphx.sh instead of programs."""
 
 
@@ -162,7 +162,7 @@ def weights_as_inputs(model: onnx.ModelProto) -> onnx.ModelProto:
 def compile_programs(engine_dir: Path, manifest: EngineManifest, migraphx: Any,
                      graph_profiles: Mapping[str, Sequence[Profile]], progress: bool = True
                      ) -> dict[str, tuple[Program, ...]]:
-    """Compile every graph once per bucket of its profiles (runtime/buckets.py) for the GPU, static shapes, outputs
+    """Compile every graph once per bucket of its profiles (contract/buckets.py) for the GPU, static shapes, outputs
     in the caller's buffers (offload_copy off), weights as parameters; save `{graph}.{bucket}.mxr`."""
     if manifest.dtype == "bf16":
         raise MIGraphXCheckError(f"{engine_dir}: a bf16 engine, and MIGraphX's Python bindings (up to ROCm 7.2.4) "
@@ -199,7 +199,8 @@ def _save(migraphx: Any, program: Any, path: Path) -> None:
             os.unlink(temporary)
 
 
-def compile_engine(engine_dir: Path, manifest: EngineManifest, options: BuildOptions, prepared: dict[str, Variant]
+def compile_engine(engine_dir: Path, manifest: EngineManifest, build: BuildOptions, options: MIGraphXBuild,
+                   prepared: dict[str, Variant]
                    ) -> MIGraphXCompiled:
     """Compile every graph's variant (prepared: what prepare_graph recorded of each) where MIGraphX imports, else
     leave compile_migraphx.sh for the ROCm machine; returns engine.json's build.compile."""
@@ -208,7 +209,7 @@ def compile_engine(engine_dir: Path, manifest: EngineManifest, options: BuildOpt
     try:
         import migraphx
     except ImportError:
-        script = engine_dir / SCRIPT
+        script = engine_dir / MIGRAPHX_SCRIPT
         script.write_text("#!/usr/bin/env bash\n# Compile this engine's MIGraphX programs (one .mxr per graph and "
                           "bucket of static shapes)\n# on a ROCm machine with MIGraphX's Python module and v4engine "
                           "installed.\nset -euo pipefail\nexec python3 -m v4engine.builder.backends.migraphx "
@@ -217,7 +218,7 @@ def compile_engine(engine_dir: Path, manifest: EngineManifest, options: BuildOpt
         version, programs = "not installed here: run compile_migraphx.sh on the ROCm machine", None
     else:
         version = getattr(migraphx, "__version__", "unknown")
-        programs = compile_programs(engine_dir, manifest, migraphx, graph_profiles, options.progress)
+        programs = compile_programs(engine_dir, manifest, migraphx, graph_profiles, build.progress)
     return MIGraphXCompiled({"migraphx": allowed["migraphx_version"], "source": allowed["source"]}, prepared,
                             graph_profiles, version, programs)
 

@@ -7,7 +7,7 @@ onnxruntime-gpu is installed, and otherwise recorded as not loaded here (the gra
 and strict shape inference).
 
 An engine built with --cuda-graphs also records its graphs' calls as profiles (as TensorRT's), and the verify
-and draft-cycle ones as those the CUDA provider records (runtime/cuda_graphs.py)."""
+and draft-cycle ones as those the CUDA provider records (contract/calls.py)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,13 +18,14 @@ import onnx
 import onnxruntime as ort
 from onnx import helper, numpy_helper
 
+from v4engine.contract.backend_options import OnnxRuntimeBuild, OnnxRuntimeSessionOptions
 from v4engine.contract.backends import OnnxRuntimeCompiled
 from v4engine.contract.calls import captured_calls
 from v4engine.contract.engine import EngineManifest
 from v4engine.contract.errors import V4EngineError
 from v4engine.plugins import DOMAIN
 from v4engine.plugins.moe import NAME as ROUTED_EXPERTS
-from v4engine.runtime.sessions import open_session
+from v4engine.runtime.sessions.onnxruntime import OnnxRuntimeSession
 
 from .profiles import engine_profiles
 
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
 MICROSOFT = "com.microsoft"
 
 
-def preflight(options: BuildOptions) -> None:
+def preflight(options: OnnxRuntimeBuild) -> None:
     """Nothing to check: ONNX Runtime is one of v4engine's own dependencies."""
 
 
@@ -44,8 +45,8 @@ def prepare_graph(model: onnx.ModelProto, name: str) -> tuple[onnx.ModelProto, i
     return model, grouped_moe(model)
 
 
-def compile_engine(engine_dir: Path, manifest: EngineManifest, options: BuildOptions, prepared: dict[str, Any]
-                   ) -> OnnxRuntimeCompiled:
+def compile_engine(engine_dir: Path, manifest: EngineManifest, build: BuildOptions, options: OnnxRuntimeBuild,
+                   prepared: dict[str, Any]) -> OnnxRuntimeCompiled:
     """Load every graph on the provider that runs it (the module doc says how)."""
     if manifest.dtype == "bf16":
         if "CUDAExecutionProvider" not in ort.get_available_providers():
@@ -55,7 +56,7 @@ def compile_engine(engine_dir: Path, manifest: EngineManifest, options: BuildOpt
     else:
         providers = ("CPUExecutionProvider",)
     for graph in manifest.graphs:
-        open_session(engine_dir, manifest, graph, providers=list(providers), load_check=True)
+        OnnxRuntimeSession(engine_dir, manifest, graph, options=OnnxRuntimeSessionOptions(providers), load_check=True)
     if options.cuda_graphs:         # the calls recorded as CUDA graphs, by the buckets of their profiles
         profiles = engine_profiles(manifest)
         return OnnxRuntimeCompiled(ort.__version__, providers, profiles=profiles, cuda_graphs=captured_calls(profiles))

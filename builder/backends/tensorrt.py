@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import onnx
 
-from v4engine.contract.backends import BuiltPlan, TensorRTCompiled
+from v4engine.contract.backend_options import TensorRTBuild
+from v4engine.contract.backends import TIMING_CACHE, BuiltPlan, TensorRTCompiled
 from v4engine.contract.calls import captured_calls
 from v4engine.contract.engine import EngineManifest
 from v4engine.contract.errors import V4EngineError
@@ -42,7 +43,6 @@ from .profiles import engine_profiles
 if TYPE_CHECKING:
     from ..build import BuildOptions
 
-TIMING_CACHE = "timing.cache"
 
 
 class TensorRTBuildError(V4EngineError):
@@ -65,7 +65,7 @@ def mark_aot(model: onnx.ModelProto) -> int:
     return marked
 
 
-def preflight(options: BuildOptions) -> None:
+def preflight(options: TensorRTBuild) -> None:
     """TensorRT must be importable unless the build stops before it (--onnx-only)."""
     if not options.onnx_only:
         check_installed()
@@ -133,13 +133,13 @@ def build_plan(trt: Any, onnx_path: Path, plan_path: Path, graph_profiles: Seque
     return BuiltPlan(plan_path.name, plan_path.stat().st_size, round(time.perf_counter() - started, 1))
 
 
-def compile_engine(engine_dir: Path, manifest: EngineManifest, options: BuildOptions, prepared: dict[str, int]
-                   ) -> TensorRTCompiled:
+def compile_engine(engine_dir: Path, manifest: EngineManifest, build: BuildOptions, options: TensorRTBuild,
+                   prepared: dict[str, int]) -> TensorRTCompiled:
     """Build every graph's engine (prepared: the plugin nodes prepare_graph marked, per graph) unless
     --onnx-only; returns engine.json's `build.compile`.
 
     The timing cache: --timing-cache, kept across builds; default: `timing.cache` in the engine, seeded from the
-    engine folder a --force rebuild replaces (options.output) when that has one."""
+    engine folder a --force rebuild replaces (build.output) when that has one."""
     graph_profiles = engine_profiles(manifest)
     level = options.builder_optimization_level
     if options.onnx_only:
@@ -148,7 +148,7 @@ def compile_engine(engine_dir: Path, manifest: EngineManifest, options: BuildOpt
     else:
         trt = check_installed()
         cache = options.timing_cache or engine_dir / TIMING_CACHE
-        seed = options.output / TIMING_CACHE if options.timing_cache is None else None
+        seed = build.output / TIMING_CACHE if options.timing_cache is None else None
         plans = {graph: build_plan(trt, engine_dir / entry.file, engine_dir / f"{graph}.plan", graph_profiles[graph],
                                    level, cache, seed, fp32=manifest.dtype == "fp32")
                  for graph, entry in manifest.graphs.items()}

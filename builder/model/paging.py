@@ -1,4 +1,4 @@
-"""Reading the runtime's cache pools inside the graphs (runtime/layout.py, engine contract v5).
+"""Reading the runtime's cache pools inside the graphs (contract/layout.py, engine contract v5).
 
 The model's layers take cache views (LayerCache); the graphs take the pools the runtime keeps. Rings (windows,
 compressors' partial windows: a few rows per slot) become dense views by one gather each. The rows that grow

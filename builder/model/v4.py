@@ -39,7 +39,7 @@ FP32_PARAMETERS = re.compile(r"(hc_\w+|attn_sink|\.ape|gate\.bias)$")
 # --------------------------------------------------------------------------- cache views and deltas
 @dataclass
 class LayerTensors:
-    """One layer's tensors by cache group (names as in runtime/layout.py); None for groups it lacks."""
+    """One layer's tensors by cache group (names as in contract/layout.py); None for groups it lacks."""
 
     window_kv: torch.Tensor
     compressor_kv: torch.Tensor | None = None

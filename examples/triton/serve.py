@@ -1,6 +1,6 @@
 """Serve an engine with Triton: render its model repository and start the server that nvidia-pytriton bundles.
 
-    .venv/bin/python examples/triton/serve.py [ENGINE_DIR] [--work out/triton]
+    .venv/bin/python examples/triton/serve.py [ENGINE_DIR] [--work out/triton] [--http-port 8000] [--drafter NAME]
 
 Without ENGINE_DIR it builds the shipped trained tiny V4 (examples/tiny-v4, --mtp 3) into WORK/engine first. The
 server runs until Ctrl-C, SIGTERM or SIGHUP, each of which stops it and every process it started, and frees its
@@ -12,9 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import signal
+import sys
 from pathlib import Path
 
 from v4engine.builder.cli import main as v4build
+from v4engine.contract.errors import V4EngineError
 from v4engine.runtime.drafters import DRAFTERS
 from v4engine.triton_repo import render
 from v4engine.triton_repo.server import TritonServer
@@ -36,6 +38,8 @@ def main() -> None:
     p.add_argument("--work", type=Path, default=ROOT / "out" / "triton", help="repository, engine and server log")
     p.add_argument("--env", type=Path, default=ROOT / ".venv-triton", help="the serving environment "
                    "(`make triton-env`)")
+    p.add_argument("--http-port", type=int, default=None, help="HTTP port on 127.0.0.1 (default: a free one; "
+                   "gRPC and metrics always take free ones: see WORK/server.json)")
     p.add_argument("--drafter", choices=list(DRAFTERS), default=None, help="drafting method (default: the engine's "
                    "own; prompt_lookup: n-grams of each request's context, on any engine)")
     args = p.parse_args()
@@ -44,7 +48,7 @@ def main() -> None:
     if args.engine is None and not (engine / "engine.json").is_file():
         v4build(["--checkpoint", str(ROOT / "examples" / "tiny-v4"), "--mtp", "3", "--output", str(engine)])
     repo = render(engine, args.work / "repo", drafter=args.drafter, force=True)
-    with TritonServer(repo, args.env, work_dir=args.work / "server") as server:
+    with TritonServer(repo, args.env, work_dir=args.work / "server", http_port=args.http_port) as server:
         urls = {"http": server.http_url, "grpc": server.grpc_url, "metrics": server.metrics_url}
         (args.work / "server.json").write_text(json.dumps(urls))
         print(f"serving {engine}: HTTP {urls['http']}, gRPC {urls['grpc']}, metrics {urls['metrics']} "
@@ -56,4 +60,7 @@ def main() -> None:
 if __name__ == "__main__":
     for s in STOP_SIGNALS:
         signal.signal(s, stop_on_signal)
-    main()
+    try:
+        main()
+    except V4EngineError as e:                  # one line, never a traceback (a folder without a tokenizer, ...)
+        sys.exit(f"serve.py: error: {e}")

@@ -1,4 +1,4 @@
-"""Engine sessions: one small interface, one module per backend (runtime/backends.py names each one's class)."""
+"""Engine sessions: one small interface, one module per backend (contract/backends.py names each one's class)."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from v4engine.contract.backend_options import BackendOptions
 from v4engine.contract.backends import BACKENDS
 from v4engine.contract.engine import EngineManifest, TensorSpec
 from v4engine.contract.errors import V4EngineError
@@ -32,6 +33,11 @@ class EngineSession(ABC):
     pool_device: str | None = None
     pool_shape: dict[str, int] | None = None
     keep_on_device: frozenset[str] = frozenset()    # outputs besides `new.*` left on the device (a stage's streams)
+
+    @classmethod
+    def own_process(cls, options: BackendOptions) -> None:
+        """Take process-wide resources for speed: asked once by a program that owns its process (v4generate, the
+        demo, the benchmarks), never by the library on its own. Nothing by default."""
 
     @abstractmethod
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -64,23 +70,23 @@ def checked_outputs(session: EngineSession, feeds: dict[str, np.ndarray], output
 
 
 def open_session(engine_dir: str | Path, manifest: EngineManifest, graph: str, device: int | None = None,
-                 **options: Any) -> EngineSession:
+                 options: BackendOptions | None = None, alternating: bool = False) -> EngineSession:
     """The session for `graph` (the draft, or a target stage) of the engine's backend, on GPU `device` (None: the
-    backend's default: ONNX Runtime's providers as given, TensorRT's and MIGraphX's current GPU).
-
-    options are ONNX Runtime's (providers, threads, ...), for the backends whose sessions take them."""
+    backend's default: ONNX Runtime's providers as given, TensorRT's and MIGraphX's current GPU), with the backend's
+    session options (default: its defaults). `alternating`: it takes turns with other sessions of this process on
+    the same cores (target and draft graph, pipeline stages)."""
     backend = BACKENDS[manifest.backend]
     return backend.session_class()(engine_dir, manifest, graph, device=device,
-                                   **(options if backend.onnxruntime_options else {}))
+                                   options=options or backend.session_options(), alternating=alternating)
 
 
 def open_target(engine_dir: str | Path, manifest: EngineManifest, devices: list[int] | None = None,
-                microbatches: int | None = None, **options: Any) -> EngineSession:
+                microbatches: int | None = None, **session: Any) -> EngineSession:
     """The target: its one graph's session, or its pipeline stages as one (sessions/pipeline.py), stage i on
-    devices[i]. microbatches: slices of a call's rows in flight on different stages at once (default: one per
-    stage when each stage has a GPU of its own, else none)."""
+    devices[i] (`session`: open_session's options). microbatches: slices of a call's rows in flight on different
+    stages at once (default: one per stage when each stage has a GPU of its own, else none)."""
     names = manifest.stage_graphs
-    stages = [open_session(engine_dir, manifest, name, device=device, **options)
+    stages = [open_session(engine_dir, manifest, name, device=device, **session)
               for name, device in zip(names, devices if devices is not None else [None] * len(names))]
     if len(stages) == 1:
         return stages[0]

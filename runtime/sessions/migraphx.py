@@ -2,7 +2,7 @@
 
 Two ways to run a MIGraphX engine, chosen by what is installed:
 - the `migraphx` Python module: the programs the build (or compile_migraphx.sh) compiled, one per bucket of static
-  shapes (runtime/buckets.py: MIGraphX's releases compile and run our graphs only at static shapes), listed in
+  shapes (contract/buckets.py: MIGraphX's releases compile and run our graphs only at static shapes), listed in
   engine.json; each call is padded up to the smallest bucket covering it and runs that bucket's program;
 - ONNX Runtime's MIGraphX execution provider (onnxruntime-migraphx): the MIGraphX variant graph, which ONNX
   Runtime hands to MIGraphX (nodes MIGraphX cannot take fall back to the CPU). Its releases keep one compiled
@@ -19,7 +19,7 @@ by address (`argument_from_pointer`), never copied by MIGraphX:
 - the call's small inputs, copied to the GPU and padded there into buffers of the bucket's shape allocated once;
   the outputs, buffers of the bucket's shapes given as the program's output parameters (`main:#output_N`), cut
   back to the call's and copied out: the new rows stay on the GPU, the rest come to the host. Those buffers and a
-  program's arguments over them are made on a bucket's first call (runtime/buckets.py `StaticCalls`, which CUDA
+  program's arguments over them are made on a bucket's first call (runtime/static_calls.py `StaticCalls`, which CUDA
   graphs run through too).
 MIGraphX's Python bindings read every argument back as a Python buffer, which has no bf16 (nor fp8): a bf16
 engine runs only through onnxruntime-migraphx. Programs are loaded on first use (each holds scratch memory on
@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from v4engine.contract.backend_options import MIGraphXSessionOptions, OnnxRuntimeSessionOptions
 from v4engine.contract.backends import MIGraphXCompiled
 from v4engine.contract.buckets import Bucket, call_dims, choose_bucket
 from v4engine.contract.engine import EngineManifest
@@ -103,9 +104,11 @@ def _output_index(name: str) -> int:
 
 
 class MIGraphXSession(EngineSession):
-    def __init__(self, engine_dir: str | Path, manifest: EngineManifest, graph: str, device: int | None = None):
+    def __init__(self, engine_dir: str | Path, manifest: EngineManifest, graph: str, device: int | None = None,
+                 options: MIGraphXSessionOptions = MIGraphXSessionOptions(), alternating: bool = False):
         """`device`: the GPU (for the programs: the one current while they load, which they then run on; for
-        ONNX Runtime's provider: its device_id)."""
+        ONNX Runtime's provider: its device_id). MIGraphX takes no session options; `alternating` means nothing on
+        a GPU's streams."""
         folder = EngineFolder(engine_dir)
         entry = manifest.graphs[graph]
         self.graph, self.inputs, self.outputs = folder.directory / entry.file, entry.inputs, entry.outputs
@@ -125,7 +128,7 @@ class MIGraphXSession(EngineSession):
         from .onnxruntime import OnnxRuntimeSession
 
         self._onnxruntime = OnnxRuntimeSession(engine_dir, manifest, graph, device=device,
-                                               providers=[PROVIDER, "CPUExecutionProvider"])
+                                               options=OnnxRuntimeSessionOptions((PROVIDER, "CPUExecutionProvider")))
         self.pool_device = self._onnxruntime.pool_device      # its pools on the GPU, bound through an IOBinding
 
     # ------------------------------------------------------------------ the programs

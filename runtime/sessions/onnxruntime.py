@@ -8,31 +8,31 @@ graph's locations or for none).
 
 Routed experts stored as MXFP4 run in ONNX Runtime's QMoE as int8 codes, exact only on its fp32 path: the kernel
 reads ORT_QMOE_CPU_QNBIT_GEMM when a session is made, and by default quantizes activations to int8 (1e-2 off).
-So every session is made with it set to fp32, for the whole process (a later session of anyone's would read it
-too; it only makes QMoE exact).
+So it is set to fp32 when this module is imported, for the whole process (a later session of anyone's reads it too;
+it only makes QMoE exact).
 
 Threads. By default each session has its own intra-op pool, and a session that takes turns with another (target
 and MTP draft) lets its idle threads sleep rather than spin: two spinning pools on two cores made MTP 3 slower
 than no drafting. `share_thread_pool()` gives every later session one process-wide pool instead, spinning, so the
 draft and the verify after it run on threads already awake. ONNX Runtime makes that switch for the whole process
 and for good: after it, it refuses any session made with a pool of its own (anyone's), so only a program's entry
-point asks for it (`Generator.from_engine_dir(..., share_threads=True)`: v4generate, the demo, the benchmarks),
+point asks for it (`Generator.from_engine_dir(..., own_process=True)`: v4generate, the demo, the benchmarks),
 never the library on its own.
 
 Where the caches live. On the CPU provider the pools are numpy arrays, which ONNX Runtime reads in place. On a GPU
 provider (CUDA; MIGraphX through onnxruntime-migraphx) they are torch tensors on the session's device
 (`pool_device`), bound by DLPack through an IOBinding, never copied; the rows a call produces (`new.*`) are left
 on the device for the CUDA provider and the pool writes them there (runtime/pool_arrays.py); the other outputs
-come to the host. `device_pools=True` runs the same binding path on the CPU provider with torch CPU tensors (how
-it is tested without a GPU).
+come to the host. The option `device_pools=True` runs the same binding path on the CPU provider with torch CPU
+tensors (how it is tested without a GPU).
 
 CUDA graphs. An engine built with --cuda-graphs runs its verify and draft-cycle calls on the CUDA provider as
-recorded CUDA graphs (runtime/cuda_graphs.py): the provider is made with `enable_cuda_graph`, each bucket of static
+recorded CUDA graphs (contract/calls.py): the provider is made with `enable_cuda_graph`, each bucket of static
 shapes gets an IOBinding over buffers allocated once and a graph id of its own (the run option `gpu_graph_id`,
 onnxruntime 1.18 on), which ONNX Runtime records after a warm-up run and replays after that; every other call
 runs with graph id -1 (not recorded). ONNX Runtime runs on a stream of its own, so a replay first waits for
 torch's, on which the inputs were copied. ONNX Runtime records only a session whose every compute node runs on
-CUDA: one it refuses is loaded without recording, with a warning. `cuda_graphs=True` takes the same
+CUDA: one it refuses is loaded without recording, with a warning. The option `cuda_graphs=True` takes the same
 static-buffer path on the CPU provider (no graph is recorded there; the pools become torch tensors): how it is
 tested without a GPU.
 """
@@ -41,18 +41,19 @@ from __future__ import annotations
 import ctypes
 import os
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
-
 from typing import Any
 
 import numpy as np
 import onnxruntime as ort
 
+from v4engine.contract.backend_options import OnnxRuntimeSessionOptions
 from v4engine.contract.backends import OnnxRuntimeCompiled
 from v4engine.contract.buckets import Bucket
 from v4engine.contract.calls import captured_buckets
 from v4engine.contract.engine import EngineManifest
-from v4engine.contract.engine_folder import ELEMENT_TYPES, EngineFolder, EngineFormatError, read_graph
+from v4engine.contract.engine_folder import ELEMENT_TYPES, EngineFolder, EngineFormatError, MappedWeights, read_graph
 from v4engine.contract.untrusted import first_line
 
 from ..pool_arrays import NUMPY_DTYPES, to_numpy
@@ -60,6 +61,7 @@ from ..static_calls import StaticCalls
 from . import EngineRunError, EngineSession, checked_outputs
 
 QMOE_GEMM = "ORT_QMOE_CPU_QNBIT_GEMM"
+os.environ[QMOE_GEMM] = "fp32"        # for the whole process, from this module's import on (the module doc)
 # Providers whose sessions keep the pools on their GPU, with the IOBinding device their outputs may stay on (None:
 # outputs come to the host; MIGraphX's device names differ between ONNX Runtime builds, and only new rows move)
 DEVICE_PROVIDERS = {"CUDAExecutionProvider": "cuda", "MIGraphXExecutionProvider": None}
@@ -115,55 +117,86 @@ def release_freed_heap() -> None:
     libc.malloc_trim(0)
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where a session runs: its providers, the GPU provider that comes first (provider, IOBinding device type for
+    outputs, device id; None: the CPU), and whether its per-token calls take static buffers (`cuda_graphs`) and are
+    recorded as CUDA graphs (`recording`: only on the CUDA provider of an ONNX Runtime that records per bucket)."""
+
+    providers: list[Provider]
+    gpu: tuple[str, str | None, int] | None
+    cuda_graphs: bool
+    recording: bool
+
+
+def placement(folder: EngineFolder, manifest: EngineManifest, options: OnnxRuntimeSessionOptions, device: int | None
+              ) -> Placement:
+    """The options resolved against the engine and this ONNX Runtime (the module doc says how)."""
+    providers = list(options.providers or ["CPUExecutionProvider"])
+    if device is not None:
+        providers = providers_on(list(options.providers or ["CUDAExecutionProvider", "CPUExecutionProvider"]), device)
+    compiled = manifest.compiled
+    captured = compiled.cuda_graphs if isinstance(compiled, OnnxRuntimeCompiled) else ()
+    gpu = _device_of(providers)
+    on_cuda = gpu is not None and gpu[0] == "CUDAExecutionProvider" and gpu[0] in ort.get_available_providers()
+    if options.cuda_graphs and not captured:
+        raise EngineFormatError(f"{folder.directory}: built without --cuda-graphs, so its graphs cannot be "
+                                "recorded as CUDA graphs; rebuild with v4build --cuda-graphs")
+    cuda_graphs = bool(captured) and on_cuda if options.cuda_graphs is None else options.cuda_graphs
+    return Placement(providers, gpu, cuda_graphs, cuda_graphs and on_cuda and _records_graph_ids())
+
+
+def session_options(weights: MappedWeights, threads: int | None, alternating: bool, load_check: bool
+                    ) -> ort.SessionOptions:
+    """ONNX Runtime's options for one session: threads (the module doc), the load check's or a run's graph
+    optimizations, and the weight files' memory maps used in place."""
+    options = ort.SessionOptions()
+    options.log_severity_level = 3          # errors only: what goes wrong reaches the caller as one line
+    if _shared_pool:
+        options.use_per_session_threads = False
+    elif threads:
+        options.intra_op_num_threads = threads
+    if alternating and not _shared_pool:
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if load_check:
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        options.add_session_config_entry("session.disable_prepacking", "1")
+    else:   # fold DequantizeLinear of FP8/FP4 weights once at load instead of dequantizing them every call
+        options.add_session_config_entry("session.disable_quant_qdq", "1")
+    if weights.maps:        # used in place, not copied: the maps live as long as the session (self._weights)
+        options.add_session_config_entry("session.use_external_initializer_file_buffers_directly", "1")
+        options.add_external_initializers_from_files_in_memory(
+            list(weights.maps), list(weights.maps.values()), [m.nbytes for m in weights.maps.values()])
+    return options
+
+
 class OnnxRuntimeSession(EngineSession):
+    @classmethod
+    def own_process(cls, options: OnnxRuntimeSessionOptions) -> None:
+        share_thread_pool(options.threads)
+
     def __init__(self, engine_dir: str | Path, manifest: EngineManifest, graph: str, device: int | None = None,
-                 providers: list[Provider] | None = None, threads: int | None = None, load_check: bool = False,
-                 alternating: bool = False, device_pools: bool | None = None, cuda_graphs: bool | None = None):
-        """`device`: the GPU (its `device_id`) for the GPU providers in `providers` (default: CUDA, then the CPU).
-        `device_pools`: keep the pools as torch tensors on the session's device (None: when a GPU provider
-        comes first; True on the CPU provider: torch CPU tensors through the same binding path). `load_check`: only prove that ONNX Runtime loads and resolves the graph, with every weight left in
-        its memory-mapped file (no graph optimization, no prepacking): memory stays flat in the model size.
-        `alternating`: this session takes turns with another (target and MTP draft). Then, on a pool of its own,
+                 options: OnnxRuntimeSessionOptions = OnnxRuntimeSessionOptions(), alternating: bool = False,
+                 load_check: bool = False):
+        """`device`: the GPU (its `device_id`) for the GPU providers of options.providers (default: CUDA, then the
+        CPU). options.device_pools: keep the pools as torch tensors on the session's device (None: when a GPU
+        provider comes first; True on the CPU provider: torch CPU tensors through the same binding path).
+        options.cuda_graphs: run the per-token calls of an engine built with --cuda-graphs as recorded graphs (None:
+        when it was, on the CUDA provider; True on the CPU provider: the same static buffers, nothing recorded).
+        `alternating`: this session takes turns with another (target and draft graph). Then, on a pool of its own,
         its idle threads must not spin: two spinning pools on the same cores made MTP = 3 slower than no drafting
-        (0.73x). `threads` and `alternating` mean nothing once the process shares one pool (share_thread_pool).
-        `cuda_graphs`: run the per-token calls of an engine built with --cuda-graphs as recorded graphs (None: when
-        it was, on the CUDA provider; True on the CPU provider: the same static buffers, nothing recorded)."""
+        (0.73x). options.threads and `alternating` mean nothing once the process shares one pool (own_process).
+        `load_check` (the build's): only prove that ONNX Runtime loads and resolves the graph, with every weight left
+        in its memory-mapped file (no graph optimization, no prepacking): memory stays flat in the model size."""
         folder = EngineFolder(engine_dir)
         entry = manifest.graphs[graph]
-        if device is not None:
-            providers = providers_on(providers or ["CUDAExecutionProvider", "CPUExecutionProvider"], device)
-        compiled = manifest.compiled
-        captured = compiled.cuda_graphs if isinstance(compiled, OnnxRuntimeCompiled) else ()
-        gpu = _device_of(providers or [])
-        on_cuda = gpu is not None and gpu[0] == "CUDAExecutionProvider" and gpu[0] in ort.get_available_providers()
-        if cuda_graphs and not captured:
-            raise EngineFormatError(f"{folder.directory}: built without --cuda-graphs, so its graphs cannot be "
-                                    "recorded as CUDA graphs; rebuild with v4build --cuda-graphs")
-        cuda_graphs = bool(captured) and on_cuda if cuda_graphs is None else cuda_graphs
-        self._recording = cuda_graphs and on_cuda and _records_graph_ids()   # else: only the static buffers
+        place = placement(folder, manifest, options, device)
+        self._recording = place.recording
         weights = folder.map_weights(manifest.weights)
-        model = read_graph(folder, entry, weights)
-        options = ort.SessionOptions()
-        options.log_severity_level = 3          # errors only: what goes wrong reaches the caller as one line
-        if _shared_pool:
-            options.use_per_session_threads = False
-        elif threads:
-            options.intra_op_num_threads = threads
-        if alternating and not _shared_pool:
-            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        if load_check:
-            options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-            options.add_session_config_entry("session.disable_prepacking", "1")
-        else:   # fold DequantizeLinear of FP8/FP4 weights once at load instead of dequantizing them every call
-            options.add_session_config_entry("session.disable_quant_qdq", "1")
-        if weights.maps:        # used in place, not copied: the maps live as long as the session (self._weights)
-            options.add_session_config_entry("session.use_external_initializer_file_buffers_directly", "1")
-            options.add_external_initializers_from_files_in_memory(
-                list(weights.maps), list(weights.maps.values()), [m.nbytes for m in weights.maps.values()])
-        os.environ[QMOE_GEMM] = "fp32"
+        model = read_graph(folder, entry, weights)          # checked first: its refusals name the field at fault
         try:
-            self._session = self._load(model, options, providers or ["CPUExecutionProvider"],
-                                       folder.directory / entry.file)
+            self._session = self._load(model, session_options(weights, options.threads, alternating, load_check),
+                                       place.providers, folder.directory / entry.file)
         except Exception as e:      # noqa: BLE001 - ONNX Runtime's errors share no base class below Exception
             raise EngineFormatError(f"{folder.directory / entry.file}: ONNX Runtime cannot load it "
                                     f"({first_line(e)})") from None
@@ -173,29 +206,34 @@ class OnnxRuntimeSession(EngineSession):
         self.inputs, self.outputs = entry.inputs, entry.outputs
         self._output_names = [o.name for o in entry.outputs]
         self._graph = folder.directory / entry.file
+        gpu = place.gpu if place.gpu is not None and place.gpu[0] in self._session.get_providers() else None
+        device_pools = options.device_pools       # asked for a GPU this ONNX Runtime has not: it runs on the CPU
+        if device_pools is None or place.cuda_graphs:
+            device_pools = gpu is not None or place.cuda_graphs
         self._bind_outputs: str | None = None       # device type where new rows stay (None: the host)
-        if gpu is not None and gpu[0] not in self._session.get_providers():
-            gpu = None                  # asked for, but this ONNX Runtime has it not: the session runs on the CPU
-        if device_pools is None or cuda_graphs:
-            device_pools = gpu is not None or bool(cuda_graphs)
         if device_pools:
-            try:
-                import torch
-            except ImportError:
-                raise EngineFormatError(f"{self._graph}: caches on the device need torch (a build for this GPU) "
-                                        "beside ONNX Runtime; install it, or pass device_pools=False") from None
-            self._torch = torch
-            self.pool_device = "cpu" if gpu is None else f"cuda:{gpu[2]}"     # torch names ROCm devices cuda too
-            self._bind_outputs = gpu and gpu[1]
-            self._device_id = 0 if gpu is None else gpu[2]
+            self._pools_on_device(gpu)
         self._eager = ort.RunOptions()
         if self._recording:
             self._eager.add_run_config_entry(GRAPH_ID, "-1")
         self._captured: StaticCalls | None = None
-        buckets = captured_buckets(compiled.profiles[graph], captured, self.inputs) if cuda_graphs else []
+        buckets = captured_buckets(manifest.compiled.profiles[graph], manifest.compiled.cuda_graphs, self.inputs) \
+            if place.cuda_graphs else []
         if buckets:                             # (a graph without a recorded profile runs as any other)
             self._captured = StaticCalls(self._torch, self.pool_device, buckets, self.inputs, self.outputs,
-                                           manifest.layout_of(graph), self._capture, self.on_device)
+                                         manifest.layout_of(graph), self._capture, self.on_device)
+
+    def _pools_on_device(self, gpu: tuple[str, str | None, int] | None) -> None:
+        """Keep the pools as torch tensors on the session's GPU (or the CPU), bound in place."""
+        try:
+            import torch
+        except ImportError:
+            raise EngineFormatError(f"{self._graph}: caches on the device need torch (a build for this GPU) "
+                                    "beside ONNX Runtime; install it, or pass the option device_pools=False") from None
+        self._torch = torch
+        self.pool_device = "cpu" if gpu is None else f"cuda:{gpu[2]}"     # torch names ROCm devices cuda too
+        self._bind_outputs = gpu and gpu[1]
+        self._device_id = 0 if gpu is None else gpu[2]
 
     def _load(self, model: bytes, options: ort.SessionOptions, providers: list[Provider], graph: Path
               ) -> ort.InferenceSession:

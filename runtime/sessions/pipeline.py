@@ -1,4 +1,4 @@
-"""The target's pipeline stages (runtime/stages.py) run as one session: what the scheduler calls `target`.
+"""The target's pipeline stages (contract/stages.py) run as one session: what the scheduler calls `target`.
 
 Each stage is a session of its own on its own device. A call feeds every stage the call's tokens, positions, slots,
 block table and its own layers' pools, runs the stages in order, and hands each stage's output streams (`hidden`)

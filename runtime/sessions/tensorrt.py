@@ -15,7 +15,7 @@ MoE needs the plugins registered in this process: `register_plugins` runs before
 
 CUDA graphs. An engine built with --cuda-graphs has graphs without control flow and names its verify and
 draft-cycle profiles in engine.json (`cuda_graphs`): those calls are padded to buckets of static shapes and each
-bucket's enqueue is recorded once by torch.cuda.graph and replayed after (runtime/cuda_graphs.py), as TensorRT's
+bucket's enqueue is recorded once by torch.cuda.graph and replayed after (contract/calls.py), as TensorRT's
 guide describes: an execution context of its own per recorded bucket (its profile, shapes and addresses set once;
 the contexts share one scratch allocation, ExecutionContextAllocationStrategy.USER_MANAGED, since one stream runs
 them one at a time; the graphs share one memory pool for the same reason), outputs checked against the shapes
@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from v4engine.contract.backend_options import TensorRTSessionOptions
 from v4engine.contract.backends import TensorRTCompiled
 from v4engine.contract.buckets import Bucket
 from v4engine.contract.calls import captured_buckets
@@ -71,7 +72,10 @@ def _import_tensorrt() -> tuple[Any, Any]:
 
 
 class TensorRTSession(EngineSession):
-    def __init__(self, engine_dir: str | Path, manifest: EngineManifest, graph: str, device: int | None = None):
+    def __init__(self, engine_dir: str | Path, manifest: EngineManifest, graph: str, device: int | None = None,
+                 options: TensorRTSessionOptions = TensorRTSessionOptions(), alternating: bool = False):
+        """`device`: the GPU (default: torch's current one). TensorRT takes no session options: an engine built
+        --cuda-graphs always replays its recorded calls; `alternating` means nothing on a GPU's streams."""
         folder = EngineFolder(engine_dir)
         engine_dir = folder.directory
         trt, torch = _import_tensorrt()

@@ -27,6 +27,7 @@ from importlib.util import find_spec
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from v4engine.runtime.budget import Limits
 from v4engine.runtime.generator import Generator
 from v4engine.runtime.sampling import SamplingParams
 from v4engine.runtime.scheduler import Request
@@ -84,20 +85,20 @@ class Metrics:
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         params = io.parameters(args)
-        providers, device_pools, devices = None, None, None
-        if args["model_instance_kind"] == "GPU":       # ONNX Runtime's CUDA provider on this instance's device
+        options: dict = {}
+        if "providers" in params:                       # an ONNX Runtime engine on GPUs (rendered so only for one)
             names = params["providers"].split(",")
-            providers = [(n, {"device_id": args["model_instance_device_id"]}) if n == "CUDAExecutionProvider"
+            if args["model_instance_kind"] == "GPU":   # the CUDA provider on this instance's device
+                names = [(n, {"device_id": args["model_instance_device_id"]}) if n == "CUDAExecutionProvider"
                          else n for n in names]
-        elif "gpus" in params:                          # KIND_MODEL: pipeline stage i on gpus[i]
-            providers, devices = params["providers"].split(","), [int(g) for g in params["gpus"].split(",")]
-        if providers is not None:
-            # the caches live on the GPU where this Python has torch; without it on the host (copied every call)
-            device_pools = None if find_spec("torch") else False
-        generator = Generator.from_engine_dir(params["engine_dir"], max_batch=int(params["max_batch"]),
-                                              drafter=params.get("drafter"),
+            options["providers"] = names
+            if not find_spec("torch"):      # the caches live on the GPU where this Python has torch; else on the
+                options["device_pools"] = False                                       # host, copied every call
+        devices = [int(g) for g in params["gpus"].split(",")] if "gpus" in params else None   # KIND_MODEL: stage i
+        generator = Generator.from_engine_dir(params["engine_dir"], drafter=params.get("drafter"),
                                               mtp=int(params["mtp"]) if "mtp" in params else None,
-                                              providers=providers, device_pools=device_pools, devices=devices)
+                                              limits=Limits(max_batch=int(params["max_batch"])), devices=devices,
+                                              backend_options=options)
         self.metrics = Metrics({"model": args["model_name"], "version": args["model_version"]},
                                positions=generator.scheduler.mtp)
         self.gauges = (self.metrics.waiting, self.metrics.running, self.metrics.pending, self.metrics.cache_bytes)

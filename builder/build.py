@@ -41,6 +41,7 @@ from .backends import QUANTIZED_IN_PLACE, compile_engine, preflight, prepare_gra
 from .backends.migraphx import all_nodes
 from .checkpoint import checkpoint_file
 from .export import export_draft, export_target, split_sequences
+from .export_cache import cached_export
 from .load import open_checkpoint
 from .stages import StageError, model_bytes, plan_stages
 from .weights import WeightGroup, WeightWriter, attach_weights, expert_form, serialize_without_data
@@ -159,30 +160,24 @@ def _write_graph(tmp: Path, name: str, options: BuildOptions, static: bool, cfg,
     return counts, groups, prepared
 
 
-_EXPORTED: dict[tuple, bytes] = {}         # this process's last few exports, serialized
-_EXPORTS_KEPT = 8
-
-
 def exported_graph(cfg: V4Config, stage: Stage | None, options: BuildOptions, draft: DraftSpec | None,
                    static: bool = False) -> onnx.ModelProto:
     """The exported draft graph of `draft` (stage None) or target stage graph (returning what `draft` reads),
-    serialized without data, its sequence splits made Splits; a fresh copy from this process's cache when it exported
-    the same before. An export depends only on the model config, the graph, the drafter, dtype, limits and k, never
-    on the weights, and costs tens of seconds per graph even for a tiny model: a process that builds one model again
-    (another weight format or backend; the tests) skips it."""
+    serialized without data, its sequence splits made Splits: a fresh copy of what builder/export_cache.py kept of
+    the same export, or exported now."""
     is_draft = stage is None
     key = (json.dumps(cfg.to_dict(), sort_keys=True), stage, draft.method if draft else None, options.dtype,
            options.max_batch, options.max_seq_len, options.mtp if is_draft else 0, static and is_draft)
-    if key not in _EXPORTED:
+
+    def export() -> bytes:
         limits = {"dtype": DTYPES[options.dtype], "max_batch": options.max_batch, "max_seq_len": options.max_seq_len}
         model = export_draft(cfg, draft, options.mtp, conditional=not static, **limits) if is_draft \
             else export_target(cfg, stage=stage, draft=draft, **limits)
         proto = serialize_without_data(model)
         split_sequences(proto.graph)
-        while len(_EXPORTED) >= _EXPORTS_KEPT:
-            _EXPORTED.pop(next(iter(_EXPORTED)))
-        _EXPORTED[key] = proto.SerializeToString()
-    return onnx.ModelProto.FromString(_EXPORTED[key])
+        return proto.SerializeToString()
+
+    return onnx.ModelProto.FromString(cached_export(key, export))
 
 
 def add_functions(proto: onnx.ModelProto, sinkhorn_rounds: int | None = None) -> None:

@@ -16,18 +16,34 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
+from v4engine.builder.export_cache import FOLDER as EXPORT_CACHE
 from v4engine.builder.tiny import TINY_CONFIGS, make_tiny
 
 TINY = sorted(TINY_CONFIGS)
 
 
 @pytest.fixture(scope="session")
-def shared(tmp_path_factory, worker_id) -> Callable[[str, Callable[[Path], object]], Path]:
+def run_folder(tmp_path_factory, worker_id) -> Path:
+    """A folder every xdist worker of this run shares (each worker's base temp lies in it)."""
+    root = tmp_path_factory.getbasetemp()
+    return root.parent if worker_id != "master" else root
+
+
+@pytest.fixture(scope="session", autouse=True)
+def export_cache(run_folder) -> Path:
+    """Every build of this run, in a worker or in a CLI it starts, takes an export another made of the same graph
+    (builder/export_cache.py): each distinct export happens once per run. A test that needs a build slow enough to
+    be stopped inside its export runs it without (hostile.env_without_export_cache)."""
+    os.environ[EXPORT_CACHE] = str(run_folder / "exports")
+    return run_folder / "exports"
+
+
+@pytest.fixture(scope="session")
+def shared(run_folder) -> Callable[[str, Callable[[Path], object]], Path]:
     """shared(name, make) -> a folder made once per test run by make(folder), whichever xdist worker asks first;
     the others wait for it. Checkpoints and engines are read-only to the tests that share them (a test that
     damages one works on a copy, `engine_copy`), so both workers can share what one built."""
-    root = tmp_path_factory.getbasetemp()
-    root = root.parent if worker_id != "master" else root      # every worker's base temp lies in one folder
+    root = run_folder
     made: dict[str, Path] = {}
 
     def get(name: str, make: Callable[[Path], object]) -> Path:

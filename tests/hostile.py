@@ -11,6 +11,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from v4engine.builder.export_cache import FOLDER as EXPORT_CACHE
+
 SECRET = b"v4engine-canary: nobody may read this\n" * 4
 
 
@@ -36,6 +38,12 @@ def assert_one_line(result: subprocess.CompletedProcess, *needles: str, status: 
     for needle in needles:
         assert needle in lines[0], lines[0]
     return lines[0]
+
+
+def env_without_export_cache() -> dict[str, str]:
+    """This process's environment, less the export cache (tests/conftest.py): a build then exports again, tens of
+    seconds in which a signal surely finds it inside its export."""
+    return {k: v for k, v in os.environ.items() if k != EXPORT_CACHE}
 
 
 def without_tokenizer(engine: Path, folder: Path) -> Path:

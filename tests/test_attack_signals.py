@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from hostile import env_without_export_cache
 from v4engine.builder import build as build_module
 from v4engine.builder.cli import main as v4build_main
 from v4engine.contract import staging
@@ -24,9 +25,10 @@ def checkpoint(tiny_checkpoint) -> Path:
 
 
 def start_build(checkpoint: Path, out: Path) -> subprocess.Popen:
+    """A build that exports (no export cache): tens of seconds, inside which the tests stop it."""
     return subprocess.Popen([sys.executable, "-m", "v4engine.builder.cli", "--checkpoint", str(checkpoint),
                              "--output", str(out), "--mtp", "1", "--quiet"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, env=env_without_export_cache())
 
 
 def wait_for_staging(out: Path, process: subprocess.Popen) -> Path:
@@ -47,8 +49,7 @@ def leftovers(out: Path) -> list[str]:
 def test_a_signal_mid_build_cleans_up(checkpoint, tmp_path, signum):
     out = tmp_path / "out"
     build = start_build(checkpoint, out)
-    wait_for_staging(out, build)
-    time.sleep(0.5)                                              # inside the export
+    wait_for_staging(out, build)                                 # its export follows at once
     build.send_signal(signum)
     _, err = build.communicate(timeout=120)
     assert build.returncode == 128 + signum

@@ -15,6 +15,7 @@ import onnx
 import pytest
 import torch
 
+from hostile import env_without_export_cache
 from v4engine.builder.build import BuildOptions, build
 from v4engine.builder.checkpoint import Checkpoint
 from v4engine.builder.load import load_model
@@ -155,12 +156,12 @@ def test_ctrl_c_in_the_middle_of_a_build(tiny_checkpoint, tmp_path):
              "sys.argv[0] = 'v4build'; runpy.run_module('v4engine.builder.cli', run_name='__main__')")
     proc = subprocess.Popen([sys.executable, "-c", start, "--checkpoint", str(tiny_checkpoint("mixed")),
                              "--output", str(out), "--quiet"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env_without_export_cache())      # it exports: tens of seconds
     deadline = time.time() + 120
     while not list(tmp_path.glob(".out.building-*")) and time.time() < deadline:
         time.sleep(0.05)
-    time.sleep(1.0)                                  # well inside the export
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGINT)                  # the staging folder is there: its export follows at once
     _, err = proc.communicate(timeout=120)
     assert proc.returncode != 0
     assert err.strip().splitlines()[-1].startswith("v4build: interrupted")

@@ -33,13 +33,16 @@ def start(engine, *args: str) -> tuple[subprocess.Popen, int]:
     """v4generate with stdout into a 4096-byte pipe: (the process, the pipe's read end), once it has written."""
     read_end, write_end = os.pipe()
     fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, 4096)
-    child = subprocess.Popen([sys.executable, "-m", "v4engine.runtime.cli", str(engine), *GENERATE, *args],
-                             stdout=write_end, stderr=subprocess.PIPE, text=True,
-                             # as from a terminal: a run started in the background (nohup, `&`, some CI runners)
-                             # inherits an ignored SIGINT, and Python then installs no KeyboardInterrupt handler
-                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    # As from a terminal: a run started in the background (nohup, `&`, some CI runners) inherits an ignored SIGINT,
+    # and Python then installs no KeyboardInterrupt handler, so the child installs it first. Not with preexec_fn:
+    # that forks this worker, and one that has loaded gRPC (the Triton tests) can lose the child before its exec.
+    start = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+             "sys.argv[0] = 'v4generate'; runpy.run_module('v4engine.runtime.cli', run_name='__main__')")
+    child = subprocess.Popen([sys.executable, "-c", start, str(engine), *GENERATE, *args],
+                             stdout=write_end, stderr=subprocess.PIPE, text=True)
     os.close(write_end)
-    assert os.read(read_end, 1), "it writes"
+    if not os.read(read_end, 1):
+        raise AssertionError(f"it wrote nothing: exit {child.wait(60)}, {child.stderr.read()!r}")
     return child, read_end
 
 

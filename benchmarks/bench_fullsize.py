@@ -2,7 +2,8 @@
 `--backend onnxruntime`, which also loads every graph in ONNX Runtime without optimizing it).
 
 1. `v4build make-release` writes the release's checkpoint (V4-Flash: 43 layers, 256 experts, FP8 block weights,
-   MXFP4 experts, mtp.0.*; about 160 GB) as sparse safetensors files: valid headers, data holes, no disk used.
+   MXFP4 experts, its draft module: MTP, or DSpark for the 0731 / 0813 releases; about 160 GB) as sparse
+   safetensors files: valid headers, data holes, no disk used.
 2. The build runs in a child process, alone: everything up to TensorRT's own build (export of target and draft,
    weights attached in place, onnx.checker and strict shape inference, the TensorRT preparation and profiles).
 3. Reported: wall time, the child's peak RSS, the build's stages, and where every weight's bytes come from:
@@ -31,6 +32,7 @@ from pathlib import Path
 import onnx
 from benchmarks.bench_build import timed_build
 
+from v4engine.builder.release import RELEASES
 from v4engine.contract.engine import VALUE_BYTES, EngineManifest
 from v4engine.contract.engine_folder import EngineFolder, read_graph
 
@@ -74,8 +76,10 @@ def weight_sources(engine: Path, manifest: EngineManifest) -> dict[str, Counter]
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", type=Path, required=True, help="folder for the checkpoint and the engine")
-    parser.add_argument("--release", default="v4-flash", choices=["v4-flash", "v4-pro"], help="default v4-flash")
-    parser.add_argument("--mtp", type=int, default=3, help="draft tokens (default 3)")
+    parser.add_argument("--release", default="v4-flash", choices=sorted(RELEASES),
+                        help="v4-flash, v4-pro (the previews, with MTP), v4-flash-0731, v4-pro-0813 (with DSpark) "
+                        "(default v4-flash)")
+    parser.add_argument("--mtp", type=int, default=3, help="draft tokens, whatever the drafter (default 3)")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="activations (default bf16)")
     parser.add_argument("--backend", default="tensorrt", choices=["tensorrt", "onnxruntime"],
                         help="tensorrt (--onnx-only) or onnxruntime (default tensorrt)")

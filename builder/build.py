@@ -26,7 +26,7 @@ from tqdm import tqdm
 from v4engine.contract.backend_options import BackendOptions
 from v4engine.contract.backends import BACKENDS, INT8_CODES, STORED_BYTES
 from v4engine.contract.config import V4Config
-from v4engine.contract.drafting import MTP, DraftSpec
+from v4engine.contract.drafting import DRAFT_SPECS, DraftSpec
 from v4engine.contract.engine import (ACTIVATION_DTYPES, BUILT_LIMIT_DEFAULTS, FORMAT, MANIFEST, MAX_MTP, VALUE_BYTES,
                                      EngineManifest, GraphEntry, StageEntry, cache_layouts, check_limits)
 from v4engine.contract.errors import V4EngineError
@@ -59,7 +59,7 @@ class BuildError(V4EngineError):
 class BuildOptions:
     checkpoint: Path
     output: Path
-    mtp: int = 1
+    mtp: int | None = 1                        # draft tokens per step; None: the checkpoint's drafter's default
     backend: str = "onnxruntime"
     dtype: str = "fp32"
     max_batch: int = BUILT_LIMIT_DEFAULTS["max_batch"]
@@ -105,7 +105,7 @@ def _check_output(options: BuildOptions) -> BackendOptions:
         probe.close()
     except OSError as e:
         raise BuildError(f"{parent}: cannot write the engine here ({e.strerror})") from None
-    if not 0 <= options.mtp <= MAX_MTP:
+    if options.mtp is not None and not 0 <= options.mtp <= MAX_MTP:
         raise BuildError(f"--mtp must be from 0 to {MAX_MTP} (got {options.mtp})")
     if options.backend not in BACKENDS:
         raise BuildError(f"--backend must be one of {', '.join(BACKENDS)} (got {options.backend!r})")
@@ -255,10 +255,19 @@ def build(options: BuildOptions) -> EngineManifest:
     clock = StageClock()
     backend = _check_output(options)
     preflight(options.backend, backend)
-    cfg, ckpt = open_checkpoint(options.checkpoint, mtp=options.mtp > 0)
+    cfg, ckpt = open_checkpoint(options.checkpoint, mtp=options.mtp != 0)
+    draft = DRAFT_SPECS[ckpt.draft_module] if options.mtp != 0 else None        # whatever drafter it ships
+    if options.mtp is None:
+        options = dataclasses.replace(options, mtp=draft.default_tokens(cfg))
+    if options.mtp > MAX_MTP:
+        raise BuildError(f"--mtp must be from 0 to {MAX_MTP} (the {draft.method} drafter's default is {options.mtp})")
     check_limits(dataclasses.asdict(options), cfg, "v4build", BuildError)
     stages = _stages(options, cfg, ckpt)
-    draft = MTP if options.mtp else None
+    outside = sorted(set(draft.captured_layers(cfg)) - set(stages[-1].layers)) if draft is not None else []
+    if outside:
+        raise BuildError(f"--pipeline-stages {options.pipeline_stages}: the {draft.method} drafter reads target layers "
+                         f"{outside} outside the last stage (layers {stages[-1].layers.start}-"
+                         f"{stages[-1].layers.stop - 1}), which it runs beside; use fewer stages")
     clock.lap("checkpoint")
     with staged_folder(options.output, "building", options.force, ENGINE_FOLDER) as tmp:
         writer = WeightWriter(tmp)

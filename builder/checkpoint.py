@@ -68,9 +68,11 @@ _BLOCK = (
 # mtp.N.{embed,head}.weight: Flash-Base repeats the shared embedding/head there (docs/model.md §4.1).
 _MTP_INPUTS = ("e_proj", "h_proj", "enorm", "hnorm")      # what makes mtp.0 V4's MTP layer (DSpark has none)
 _MTP_ONLY = r"(?:e_proj|h_proj|enorm|hnorm|norm|embed|head)\.weight|hc_head_(?:fn|base|scale)"
+# DSpark (V4-Flash-0731, V4-Pro-0813): main_proj/main_norm on its first stage, the heads on its last (model.md §4.2)
+_DSPARK_ONLY = r"(?:main_proj|main_norm|markov_head\.markov_w1|markov_head\.markov_w2|confidence_head\.proj)\.weight"
 _CANONICAL = re.compile(
     rf"(?:embed|head|norm)\.weight|hc_head_(?:fn|base|scale)"
-    rf"|layers\.\d+\.(?:{_BLOCK})|mtp\.\d+\.(?:{_BLOCK}|{_MTP_ONLY})"
+    rf"|layers\.\d+\.(?:{_BLOCK})|mtp\.\d+\.(?:{_BLOCK}|{_MTP_ONLY}|{_DSPARK_ONLY})"
 )
 
 # transformers module names (DeepseekV4ForCausalLM.state_dict()) -> official, per layer.
@@ -198,13 +200,16 @@ class Checkpoint:
     @property
     def draft_module(self) -> str | None:
         """What the checkpoint holds under `mtp.*`: "mtp" (V4's one-layer MTP draft, mtp.0 with its e_proj,
-        h_proj, enorm and hnorm), "other" (another drafter there, such as V4-Flash-0731's three-block DSpark), or
-        None (no draft tensors: transformers' save_pretrained drops them)."""
+        h_proj, enorm and hnorm), "dspark" (the releases' DSpark drafter: mtp.0.main_proj, no MTP inputs), "other"
+        (tensors of neither), or None (no draft tensors: transformers' save_pretrained drops them)."""
         draft = [name for name in self._infos if name.startswith("mtp.")]
         if not draft:
             return None
-        inputs = all(f"mtp.0.{part}.weight" in self._infos for part in _MTP_INPUTS)
-        return "mtp" if inputs and all(_CANONICAL.fullmatch(n) and n.startswith("mtp.0.") for n in draft) else "other"
+        if not all(_CANONICAL.fullmatch(n) for n in draft):
+            return "other"
+        if all(f"mtp.0.{part}.weight" in self._infos for part in _MTP_INPUTS):
+            return "mtp" if all(n.startswith("mtp.0.") for n in draft) else "other"
+        return "dspark" if "mtp.0.main_proj.weight" in self._infos else "other"
 
     def info(self, name: str) -> TensorInfo:
         try:

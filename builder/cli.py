@@ -30,7 +30,8 @@ def _make_tiny(args: argparse.Namespace) -> None:
     from .tiny import make_tiny
 
     out = make_tiny(args.out, config=args.config, seed=args.seed, quantize=args.quantize, names=args.names,
-                    dtype=args.dtype, shards=args.shards, mtp=not args.no_mtp, agree=args.agree, force=args.force)
+                    dtype=args.dtype, shards=args.shards, mtp=not args.no_mtp, agree=args.agree, force=args.force,
+                    drafter=args.drafter)
     print(f"wrote tiny checkpoint '{args.config}' to {out}")
 
 
@@ -44,7 +45,7 @@ def _make_release(args: argparse.Namespace) -> None:
 def _check(args: argparse.Namespace) -> None:
     from .load import open_checkpoint
 
-    cfg, ckpt = open_checkpoint(args.checkpoint, mtp=args.mtp > 0)
+    cfg, ckpt = open_checkpoint(args.checkpoint, mtp=args.mtp != 0)
     kinds = {kind: cfg.layer_types.count(kind) for kind in dict.fromkeys(cfg.layer_types)}
     formats: dict[str, int] = {}
     for name in ckpt.names():
@@ -54,6 +55,11 @@ def _check(args: argparse.Namespace) -> None:
     print(f"  {cfg.num_hidden_layers} layers {kinds}, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, "
           f"experts {cfg.n_routed_experts} (top {cfg.num_experts_per_tok}), draft module: "
           f"{ckpt.draft_module or 'none'}")
+    if ckpt.draft_module == "dspark" and cfg.dspark is not None:
+        d = cfg.dspark
+        print(f"  drafter: DSpark, {d.stages} stages reading target layers {list(d.target_layer_ids)}, block size "
+              f"{d.block_size} (v4build --mtp without a value drafts that many), Markov rank {d.markov_rank}, noise "
+              f"token {d.noise_token_id}")
     print(f"  fingerprint {ckpt.fingerprint()[:16]}")
 
 
@@ -126,8 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "official or transformers names; bf16/fp32, FP8 block-scaled, MXFP4 experts")
     p.add_argument("--output", type=Path, required=True, help="engine directory to create (built beside it in a "
                    "temporary folder and renamed at the end)")
-    p.add_argument("--mtp", type=int, default=1, help="draft tokens per step with the MTP layer (0: no draft graph; "
-                   "> 0 needs the mtp.0.* weights); sizes the caches (default 1)")
+    p.add_argument("--mtp", type=int, nargs="?", const=None, default=1, metavar="K",
+                   help="draft tokens per step with the draft module the checkpoint ships (mtp.*: V4's MTP layer, or "
+                   "the DSpark drafter of V4-Flash-0731, V4-Pro-0813 and the -DSpark repacks); 0: no draft graph; "
+                   "without a value: the drafter's own default (DSpark: dspark_block_size; MTP: 1); sizes the caches "
+                   "(default 1)")
     p.add_argument("--backend", choices=list(BACKENDS), default="onnxruntime",
                    help="engine backend: onnxruntime (default; runs on the CPU, or on CUDA with onnxruntime-gpu), "
                    "tensorrt (NVIDIA GPUs: TensorRT 10.15+/11.x engines with the v4 plugins; needs TensorRT unless "
@@ -193,10 +202,15 @@ def tools_parser() -> argparse.ArgumentParser:
                    help="dtype of unquantized weights (hc, sink, ape and router bias stay float32)")
     t.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     t.add_argument("--shards", type=int, default=2, help="number of safetensors files (default 2; mtp.0.* in the last)")
-    t.add_argument("--no-mtp", action="store_true", help="leave out the mtp.0.* draft layer")
+    t.add_argument("--no-mtp", action="store_true", help="leave out the draft module (mtp.*)")
+    t.add_argument("--drafter", choices=["mtp", "dspark"], default="mtp",
+                   help="the draft module under mtp.*: mtp, V4's one-layer MTP (the preview release's), or dspark, "
+                   "the three-stage DSpark drafter laid out as V4-Flash-0731 ships it (dspark_* config keys, "
+                   "main_proj, Markov and confidence heads) (default: mtp)")
     t.add_argument("--agree", type=float, default=None, metavar="ALPHA",
-                   help="make the MTP layer mostly agree with the target by construction (block outputs scaled by "
-                   "ALPHA, e.g. 0.1; the MTP reads only the next token), so that drafts are often accepted")
+                   help="make the draft module mostly agree with the target by construction (block outputs scaled by "
+                   "ALPHA, e.g. 0.1, so the target is close to a bigram model; the MTP layer reads only the next "
+                   "token, DSpark's Markov head is that bigram), so that drafts are often accepted")
     t.add_argument("--force", action="store_true", help=FORCE_CHECKPOINT)
     t.set_defaults(run=_make_tiny)
 
@@ -205,9 +219,10 @@ def tools_parser() -> argparse.ArgumentParser:
                        "(FP8 block weights, MXFP4 experts, mtp.0.*), as sharded safetensors whose data are holes: "
                        "valid headers, no disk used, zeros when read. For building and measuring at full size.")
     m.add_argument("out", type=Path, help="output folder to create")
-    m.add_argument("--release", choices=["v4-flash", "v4-pro"], default="v4-flash",
-                   help="v4-flash (as released) or v4-pro (sizes from a mirror of its config, compress_ratios "
-                   "assumed; default v4-flash)")
+    m.add_argument("--release", choices=["v4-flash", "v4-pro", "v4-flash-0731", "v4-pro-0813"], default="v4-flash",
+                   help="v4-flash (the preview, as released, with its MTP layer), v4-pro (sizes from a mirror of its "
+                   "config, compress_ratios assumed), v4-flash-0731 or v4-pro-0813 (the current releases: the same "
+                   "targets with the three-stage DSpark drafter under mtp.0..2) (default v4-flash)")
     m.add_argument("--shards", type=int, default=None, help="number of safetensors files (default: as released)")
     m.add_argument("--force", action="store_true", help=FORCE_CHECKPOINT)
     m.set_defaults(run=_make_release)
@@ -216,8 +231,9 @@ def tools_parser() -> argparse.ArgumentParser:
                        description="Read config.json and every safetensors header, and check each tensor's shape "
                        "and dtype against the config without loading the weights.")
     c.add_argument("--checkpoint", type=Path, required=True, help="checkpoint folder (config.json + safetensors)")
-    c.add_argument("--mtp", type=int, default=1, help="number of MTP draft tokens planned; > 0 requires the mtp.0.* "
-                   "weights (default 1)")
+    c.add_argument("--mtp", type=int, nargs="?", const=None, default=1, metavar="K",
+                   help="draft tokens planned (as v4build --mtp); other than 0, the draft module under mtp.* (MTP or "
+                   "DSpark) is checked too (default 1)")
     c.set_defaults(run=_check)
 
     r = sub.add_parser("triton-repo", help="render a Triton Inference Server model repository serving an engine",

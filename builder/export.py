@@ -29,12 +29,13 @@ from torch.export import Dim
 
 from v4engine.contract.config import SLIDING, V4Config
 from v4engine.contract.drafting import DraftSpec
-from v4engine.contract.layout import STAGE_INPUT, STREAMS, CacheGroup, CacheLayout, TensorSpec, target_specs
+from v4engine.contract.layout import CAPTURED, STAGE_INPUT, STREAMS, CacheGroup, CacheLayout, TensorSpec, target_specs
 from v4engine.contract.stages import Stage, single_stage
 from v4engine.plugins import OPSET
 
 from .model import LayerCache, Transformer
-from .model.drafting import mtp_draft_outputs
+from .model.drafting import dspark_draft_outputs, mtp_draft_outputs
+from .model.dspark import DSpark, capture
 from .model.paging import PoolReader
 from .model.rope import inv_freq
 
@@ -53,6 +54,7 @@ class DraftForward:
 
 DRAFT_FORWARDS: dict[str, DraftForward] = {
     "mtp": DraftForward(lambda cfg: Transformer(cfg, mtp=True, layers=range(0)), mtp_draft_outputs),
+    "dspark": DraftForward(DSpark, dspark_draft_outputs),
 }
 
 
@@ -83,16 +85,21 @@ class _Graph(nn.Module):
         return tuple(out[name] for name in self.output_names)
 
 
-def _target_outputs(stage: Stage, layout: CacheLayout) -> Callable[[nn.Module, Feeds, list[LayerCache]], Feeds]:
+def _target_outputs(stage: Stage, layout: CacheLayout, draft: DraftSpec | None
+                    ) -> Callable[[nn.Module, Feeds, list[LayerCache]], Feeds]:
     """A target stage's forward: embed (first stage) or take the previous stage's streams, run its layers, and the
-    head (last stage)."""
+    head (last stage), with what the drafter reads of them (DSpark: its `captured` rows)."""
+    ids = draft.captured_layers(layout.cfg) if draft is not None and stage.last else ()
+
     def forward(model: Transformer, feeds: Feeds, caches: list[LayerCache]) -> Feeds:
         x = model.embedded_streams(feeds["input_ids"]) if stage.first else feeds[STAGE_INPUT]
-        x, deltas = model.run_layers(x, feeds["input_ids"], feeds["positions"], caches, stage.layers)
+        x, deltas, streams = model.run_layers(x, feeds["input_ids"], feeds["positions"], caches, stage.layers, ids)
         out = {g.new: getattr(deltas[g.layer - stage.layers.start], g.name) for g in layout.groups}
-        return out | {STREAMS: x} | ({"logits": model.logits(x)} if stage.last else {})
+        extra = {CAPTURED: capture([streams[i] for i in ids])} if ids else {}
+        return out | {STREAMS: x} | ({"logits": model.logits(x)} if stage.last else {}) | extra
 
     return forward
+
 
 
 def _example(spec: TensorSpec, sizes: dict[str, int]) -> torch.Tensor:
@@ -116,13 +123,15 @@ def export_target(cfg: V4Config, dtype: torch.dtype = torch.float32, max_batch: 
     stage = stage or single_stage(cfg.num_hidden_layers)[0]
     dtype_name = str(dtype).removeprefix("torch.")
     extra = draft.target_outputs(cfg, dtype_name) if draft is not None else []
-    if extra:
-        raise NotImplementedError(f"the {draft.method} drafter's target outputs are not exported yet")
+    captured = draft.captured_layers(cfg) if draft is not None and stage.last else ()
+    if not set(captured) <= set(stage.layers):                 # v4build checks this first (builder/build.py)
+        raise ValueError(f"the {draft.method} drafter reads target layers {list(captured)}, not all in the last "
+                         f"pipeline stage (layers {stage.layers.start}-{stage.layers.stop - 1})")
     with torch.device("meta"):                               # no weight memory, whatever the model size
         model = Transformer(cfg, mtp=False, layers=stage.layers).stack_experts().to_dtype(dtype).eval()
     inputs, outputs = target_specs(cfg, dtype_name, stage, extra)
     layout = CacheLayout.target(cfg, layers=stage.layers)
-    return _export(_Graph(model, inputs, outputs, layout, _target_outputs(stage, layout)), cfg, inputs, outputs,
+    return _export(_Graph(model, inputs, outputs, layout, _target_outputs(stage, layout, draft)), cfg, inputs, outputs,
                    max_batch, max_seq_len)
 
 

@@ -4,16 +4,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from torch import nn
 from tqdm import tqdm
 
 from v4engine.contract.config import V4Config
 
 from .checkpoint import Checkpoint, CheckpointError, checkpoint_file
 from .model import Transformer
+from .model.dspark import DSpark
 
 
 def open_checkpoint(directory: str | Path, mtp: bool) -> tuple[V4Config, Checkpoint]:
     """Read config.json and the safetensors headers; fail on the first thing that disagrees with the config.
+    `mtp`: the draft module (whichever the checkpoint ships, `draft_module`) is checked too.
 
     The headers are compared with the config's sizes (layers, experts, vocabulary) before any model is built,
     so a small config.json that claims a huge model costs nothing."""
@@ -21,29 +24,34 @@ def open_checkpoint(directory: str | Path, mtp: bool) -> tuple[V4Config, Checkpo
     checkpoint_file(directory, "config.json", str(directory))
     cfg = V4Config.from_file(directory / "config.json")
     ckpt = Checkpoint.open(directory)
-    check_draft_module(cfg, ckpt, mtp)
+    drafter = draft_module(cfg, ckpt) if mtp else None
     check_sizes(cfg, ckpt)
     with torch.device("meta"):                      # shapes only: no memory for the weights
-        expected = {name: tuple(t.shape) for name, t in Transformer(cfg, mtp=mtp).state_dict().items()}
+        expected = {name: tuple(t.shape) for name, t in Transformer(cfg, mtp=drafter == "mtp").state_dict().items()}
+        if drafter == "dspark":
+            expected |= {name: tuple(t.shape) for name, t in DSpark(cfg).state_dict().items()
+                         if name.startswith("mtp.")}
     ckpt.check(expected)
     return cfg, ckpt
 
 
-def check_draft_module(cfg: V4Config, ckpt: Checkpoint, mtp: bool) -> None:
-    """--mtp drafts with V4's one-layer MTP module (mtp.0.*); refuse a checkpoint without it, or with another
-    drafter in its place (V4-Flash-0731's DSpark: three blocks under mtp.0..2, no e_proj/h_proj/enorm/hnorm),
-    which other engines half-load as MTP."""
-    if not mtp:
-        return
+def draft_module(cfg: V4Config, ckpt: Checkpoint) -> str:
+    """The drafter the checkpoint ships, as config.json and the tensors agree on: "mtp" (V4's one-layer MTP,
+    mtp.0.e_proj ...) or "dspark" (the releases' DSpark, dspark_* keys and mtp.0.main_proj). Anything else is
+    refused in one line (which other engines half-load as MTP), pointing at --mtp 0, which builds the target."""
     found = ckpt.draft_module
-    if cfg.dspark is not None or found == "other":
-        what = "a DSpark drafter (config dspark_*" if cfg.dspark is not None else "a drafter that is not V4's MTP ("
-        raise CheckpointError(f"{ckpt.directory}: holds {what}; mtp.* without V4's e_proj/h_proj/enorm/hnorm "
-                              "layer), not the one-layer MTP module that --mtp drafts with; build its target with "
-                              "--mtp 0")
     if found is None:
-        raise CheckpointError(f"{ckpt.directory}: the checkpoint has no mtp.0.* weights, which MTP drafting needs "
-                              "(transformers' save_pretrained drops them); use --mtp 0 to build without a draft")
+        raise CheckpointError(f"{ckpt.directory}: the checkpoint has no mtp.* weights, so no draft module to draft "
+                              "with (transformers' save_pretrained drops them); use --mtp 0 to build without one")
+    if found == "other":
+        raise CheckpointError(f"{ckpt.directory}: the tensors under mtp.* are neither V4's MTP layer (mtp.0.e_proj) "
+                              "nor a DSpark drafter (mtp.0.main_proj); use --mtp 0 to build the target alone")
+    if (found == "dspark") != (cfg.dspark is not None):
+        said = "has dspark_* fields" if cfg.dspark is not None else "has no dspark_* fields"
+        raise CheckpointError(f"{cfg.source}: {said}, but the tensors under mtp.* are a "
+                              f"{'DSpark drafter' if found == 'dspark' else 'V4 MTP layer'}; use --mtp 0 to build the "
+                              "target alone")
+    return found
 
 
 def check_sizes(cfg: V4Config, ckpt: Checkpoint) -> None:
@@ -72,12 +80,26 @@ def check_sizes(cfg: V4Config, ckpt: Checkpoint) -> None:
 
 def load_model(directory: str | Path, mtp: bool = True, dtype: torch.dtype = torch.float32,
                progress: bool = False) -> Transformer:
-    """Our eager V4 (+ MTP layer) with the checkpoint's weights, dequantized to `dtype`."""
+    """Our eager V4 (+ its MTP layer, when `mtp` and the checkpoint ships one) with the checkpoint's weights,
+    dequantized to `dtype`."""
     cfg, ckpt = open_checkpoint(directory, mtp)
-    model = Transformer(cfg, mtp=mtp)
+    model = Transformer(cfg, mtp=mtp and ckpt.draft_module == "mtp")
+    return _loaded(model, ckpt, progress).to_dtype(dtype).eval()
+
+
+def load_dspark(directory: str | Path, dtype: torch.dtype = torch.float32) -> DSpark:
+    """The checkpoint's DSpark drafter (with the target's embedding and head), dequantized to `dtype`."""
+    cfg, ckpt = open_checkpoint(directory, mtp=True)
+    if ckpt.draft_module != "dspark":
+        raise CheckpointError(f"{ckpt.directory}: its draft module is {ckpt.draft_module}, not DSpark")
+    return _loaded(DSpark(cfg), ckpt, False).to_dtype(dtype).eval()
+
+
+def _loaded(model: nn.Module, ckpt: Checkpoint, progress: bool) -> nn.Module:
+    """`model` with every one of its tensors read from the checkpoint (dequantized to the tensor's dtype)."""
     state = model.state_dict()
     with torch.no_grad():
         for name in tqdm(state, desc="loading weights", disable=not progress, unit="tensor"):
             target = state[name]
             target.copy_(ckpt.load(name, dtype=target.dtype if target.is_floating_point() else torch.float32))
-    return model.to_dtype(dtype).eval()
+    return model

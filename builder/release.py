@@ -3,7 +3,8 @@ tensor data are holes.
 
 `write_release_checkpoint` writes every tensor of a release (names, safetensors dtypes and shapes as the release
 stores them: BF16, FP8 E4M3 with 128x128 E8M0 block scales, MXFP4 routed experts with one E8M0 scale per 32
-inputs, I64 hash tables, the `mtp.0.*` layer in the last shard) into sharded safetensors files with valid
+inputs, I64 hash tables, the draft module under `mtp.*` in the last shard: the MTP layer, or the DSpark drafter of
+the 0731 and 0813 releases) into sharded safetensors files with valid
 headers, each file then extended to its full length with a hole: sparse files that use no disk. The values read
 back are zeros. It is how the builder is run and measured at full size (V4-Flash: 43 layers, 256 experts,
 about 160 GB) on a machine without the weights.
@@ -24,6 +25,7 @@ from v4engine.contract.staging import check_destination
 
 from .checkpoint import FP8_BLOCK, FP8_QUANTIZATION_CONFIG, MXFP4_BLOCK, dtype_bytes
 from .model import Transformer
+from .model.dspark import DSpark
 from .tiny import CHECKPOINT_FOLDER, stored_form, write_checkpoint_folder
 
 _FLASH: dict[str, Any] = {
@@ -49,9 +51,21 @@ _PRO = {**_FLASH, "hidden_size": 7168, "num_hidden_layers": 61, "num_attention_h
         "o_groups": 16, "n_routed_experts": 384, "moe_intermediate_size": 3072, "routed_scaling_factor": 2.5,
         "compress_ratios": [128, 128] + [4, 128] * 29 + [4, 0]}
 
+# The current releases: the same target architecture, a three-stage DSpark drafter under mtp.0..2 instead of the
+# MTP layer (docs/model.md §4.2): compress_ratios then lists 0 for each stage; num_nextn_predict_layers stays 1.
+_DSPARK = {"dspark_block_size": 5, "dspark_noise_token_id": 128799}
+_FLASH_0731 = {**_FLASH, **_DSPARK, "compress_ratios": _FLASH["compress_ratios"][:43] + [0, 0, 0],
+               "dspark_target_layer_ids": [40, 41, 42], "dspark_markov_rank": 256}
+_PRO_0813 = {**_PRO, **_DSPARK, "compress_ratios": _PRO["compress_ratios"][:61] + [0, 0, 0],
+             "dspark_target_layer_ids": [58, 59, 60], "dspark_markov_rank": 512}
+
 RELEASES: dict[str, tuple[dict[str, Any], int, str]] = {
     "v4-flash": (_FLASH, 46, "DeepSeek-V4-Flash: config.json values and tensor layout as released (docs/model.md §9)"),
     "v4-pro": (_PRO, 64, "DeepSeek-V4-Pro: sizes from a mirror of its config.json; compress_ratios assumed"),
+    "v4-flash-0731": (_FLASH_0731, 46, "DeepSeek-V4-Flash-0731: V4-Flash with the DSpark drafter (mtp.0..2) in place "
+                      "of the MTP layer"),
+    "v4-pro-0813": (_PRO_0813, 64, "DeepSeek-V4-Pro-0813: V4-Pro (its assumed compress_ratios) with the DSpark "
+                    "drafter (Markov rank 512, target layers 58-60)"),
 }
 
 
@@ -61,7 +75,9 @@ def release_tensors(raw: dict[str, Any]) -> dict[str, tuple[str, tuple[int, ...]
     quantize = "mxfp4" if raw.get("expert_dtype") == "fp4" else "fp8" if raw.get("quantization_config") else None
     float_dtype = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}[raw.get("torch_dtype", "bfloat16")]
     with torch.device("meta"):
-        state = Transformer(cfg, mtp=True).state_dict()
+        state = Transformer(cfg, mtp=cfg.dspark is None).state_dict()
+        if cfg.dspark is not None:               # its own tensors: the embedding and head are the target's
+            state |= {k: v for k, v in DSpark(cfg).state_dict().items() if k.startswith("mtp.")}
     out: dict[str, tuple[str, tuple[int, ...]]] = {}
     for name, value in state.items():
         shape = tuple(value.shape)

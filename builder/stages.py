@@ -21,7 +21,7 @@ from v4engine.contract.errors import V4EngineError
 from v4engine.contract.stages import Stage, stages_of
 
 from .checkpoint import Checkpoint
-from .export import rope_table
+from .export import DRAFT_FORWARDS, rope_table
 from .model import Transformer
 from .weights import (GATHERED_TABLES, ONNX_OF_TORCH, expert_form, expert_treatment, group_bytes, resident_form,
                       stacked_expert_names, tensor_treatment)
@@ -55,10 +55,15 @@ class ModelBytes:
 def model_bytes(cfg: V4Config, ckpt: Checkpoint, backend: Backend, dtype: torch.dtype, draft: bool) -> ModelBytes:
     """Every weight's resident bytes for `backend` with activations in `dtype` (what attach_weights will count),
     summed by where it runs."""
+    method = ckpt.draft_module if draft else None
     with torch.device("meta"):
-        model = Transformer(cfg, mtp=draft).stack_experts().to_dtype(dtype)
+        model = Transformer(cfg, mtp=method == "mtp").stack_experts().to_dtype(dtype)
+        drafter = DRAFT_FORWARDS[method].model(cfg).stack_experts().to_dtype(dtype) if method == "dspark" else None
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    if drafter is not None:                      # its own weights (its embedding and head are the target's)
+        tensors += [(n, v) for n, v in [*drafter.named_parameters(), *drafter.named_buffers()] if n.startswith("mtp.")]
     out = ModelBytes([0] * cfg.num_hidden_layers)
-    for name, value in [*model.named_parameters(), *model.named_buffers()]:
+    for name, value in tensors:
         if rope_table(cfg, name) is not None:             # computed tables, inline and tiny
             continue
         resident = _resident_bytes(name, value, cfg, ckpt, backend)

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
+from torch import nn
 
 from v4engine.contract.config import V4Config
 from v4engine.contract.errors import ConfigError
@@ -24,6 +25,7 @@ from v4engine.contract.staging import Ours, check_destination, staged_folder
 
 from .checkpoint import FP8_QUANTIZATION_CONFIG, quantize_fp8_block, quantize_mxfp4
 from .model import Transformer
+from .model.dspark import DSpark
 from .model.v4 import FP32_PARAMETERS
 
 _YARN = {"type": "yarn", "factor": 16, "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1}
@@ -74,7 +76,19 @@ WIDE_CONFIGS: dict[str, dict[str, Any]] = {
 CONFIGS = {**TINY_CONFIGS, **WIDE_CONFIGS}
 
 FP8_WEIGHTS = re.compile(r"\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|ffn\.shared_experts\.w[123]|"
-                         r"e_proj|h_proj)\.weight$")
+                         r"e_proj|h_proj|main_proj)\.weight$")
+DRAFTERS = ("mtp", "dspark")           # the draft modules make-tiny writes under mtp.*
+
+
+def dspark_config(raw: dict[str, Any], markov_rank: int = 16) -> dict[str, Any]:
+    """`raw` (with an MTP layer) as the 0731 release lays out a DSpark drafter: the dspark_* keys (it reads the
+    last three target layers, or all of fewer), three draft stages in compress_ratios, num_nextn_predict_layers
+    still 1."""
+    layers = raw["num_hidden_layers"]
+    return {**raw, "compress_ratios": raw["compress_ratios"][:layers] + [0, 0, 0], "dspark_block_size": 5,
+            "dspark_noise_token_id": raw["vocab_size"] - 1, "dspark_target_layer_ids": list(range(max(0, layers - 3),
+                                                                                                 layers)),
+            "dspark_markov_rank": markov_rank}
 ROUTED_EXPERT = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
 
 
@@ -87,30 +101,56 @@ def random_model(cfg: V4Config, seed: int, agree: float | None = None) -> Transf
     ahead. Context still moves both a little, so drafts are accepted often but not always, and every cache
     path (accept, reject, rollback) is exercised with outputs that depend on the caches."""
     gen = torch.Generator().manual_seed(seed)
-    model = Transformer(cfg, mtp=True)
+    model = Transformer(cfg, mtp=cfg.dspark is None)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
-            elif p.dim() == 2:
-                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
-            else:
-                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+        randomize(model, gen)
         if agree is not None:
             model.embed.weight.mul_(cfg.hidden_size ** 0.5)            # embeddings of unit RMS dominate the stream
             for name, p in model.named_parameters():
                 if re.search(r"(attn\.wo_b|ffn\.experts\.\d+\.w2|ffn\.shared_experts\.w2)\.weight$", name):
                     p.mul_(agree)
-            mtp = model.mtp[0]
-            mtp.e_proj.weight.copy_(torch.eye(cfg.hidden_size))
-            mtp.h_proj.weight.zero_()
-            mtp.enorm.weight.fill_(1.0)
+            for mtp in model.mtp:
+                mtp.e_proj.weight.copy_(torch.eye(cfg.hidden_size))
+                mtp.h_proj.weight.zero_()
+                mtp.enorm.weight.fill_(1.0)
         for name, buf in model.named_buffers():
             if name.endswith("tid2eid"):
                 rows = [torch.randperm(cfg.n_routed_experts, generator=gen)[: cfg.num_experts_per_tok]
                         for _ in range(cfg.vocab_size)]
                 buf.copy_(torch.stack(rows))
     return model
+
+
+def randomize(model: nn.Module, gen: torch.Generator) -> None:
+    """Every parameter at a plausible scale: norms near 1, matrices of unit gain, the rest (hc mixes, sinks) small."""
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
+        elif p.dim() == 2:
+            p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
+        else:
+            p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+
+
+def random_dspark(target: Transformer, seed: int, agree: float | None = None) -> DSpark:
+    """A seeded DSpark drafter for `target` (whose config has the dspark_* keys), sharing its embedding and head.
+
+    `agree` (with a target made with the same `agree`, close to the bigram head(norm(emb(t)))): the Markov head
+    becomes that bigram (W1 = the final norm of each embedding, W2 = the head; dspark_markov_rank must be the
+    hidden size) and the stages' part of the logits is scaled by `agree`, so drafts are often accepted but not
+    always, and the block still moves them a little."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    drafter = DSpark(target.cfg)
+    with torch.no_grad():
+        randomize(drafter, gen)
+        drafter.embed.weight.copy_(target.embed.weight)
+        drafter.head.weight.copy_(target.head.weight)
+        if agree is not None:
+            last = drafter.mtp[-1]
+            last.markov_head.markov_w1.weight.copy_(target.norm(target.embed.weight))
+            last.markov_head.markov_w2.weight.copy_(target.head.weight)
+            last.norm.weight.mul_(agree)
+    return drafter
 
 
 def official_to_hf_name(name: str) -> str:
@@ -157,7 +197,7 @@ def stored_form(name: str, is_integer: bool, quantize: str | None) -> str:
     return "dtype"
 
 
-def _tensors(model: Transformer, dtype: torch.dtype, quantize: str | None, scale_suffix: str
+def _tensors(model: nn.Module, dtype: torch.dtype, quantize: str | None, scale_suffix: str
              ) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for name, value in model.state_dict().items():
@@ -183,15 +223,23 @@ def _tensors(model: Transformer, dtype: torch.dtype, quantize: str | None, scale
 
 def make_tiny(out: str | Path, config: str = "mixed", seed: int = 0, quantize: str | None = None,
               names: str = "official", dtype: str = "float32", shards: int = 2, mtp: bool = True,
-              agree: float | None = None, force: bool = False) -> Path:
-    """Write a tiny random checkpoint folder; returns its path. `force` replaces `out` only if v4build wrote it."""
+              agree: float | None = None, force: bool = False, drafter: str = "mtp") -> Path:
+    """Write a tiny random checkpoint folder; returns its path. `force` replaces `out` only if v4build wrote it.
+    `drafter`: the draft module under mtp.* (DRAFTERS: V4's MTP layer, or the 0731 release's DSpark); `mtp=False`
+    writes none (the dspark_* keys stay in config.json)."""
     if config not in CONFIGS:
         raise ConfigError(f"unknown tiny config {config!r}; choose one of {sorted(CONFIGS)}")
+    if drafter not in DRAFTERS:
+        raise ConfigError(f"unknown drafter {drafter!r}; choose one of {list(DRAFTERS)}")
     check_destination(Path(out), force, CHECKPOINT_FOLDER)      # before any work
     raw = dict(CONFIGS[config], torch_dtype=dtype)
+    if drafter == "dspark":
+        raw = dspark_config(raw, raw["hidden_size"] if agree is not None else 16)
     model = random_model(V4Config.from_dict(raw, source=f"tiny config {config}"), seed, agree)
+    draft = random_dspark(model, seed, agree) if drafter == "dspark" and mtp else None
     return save_checkpoint(model, raw, out, quantize=quantize, names=names, dtype=dtype, shards=shards, mtp=mtp,
-                           texts={"tokenizer.json": character_tokenizer(raw["vocab_size"])}, force=force)
+                           texts={"tokenizer.json": character_tokenizer(raw["vocab_size"])}, force=force,
+                           draft=draft)
 
 
 def character_tokenizer(vocab_size: int) -> str:
@@ -215,13 +263,18 @@ def character_tokenizer(vocab_size: int) -> str:
 def save_checkpoint(model: Transformer, raw: dict[str, Any], out: str | Path, quantize: str | None = None,
                     names: str = "official", dtype: str = "float32", shards: int = 2, mtp: bool = True,
                     extra_files: dict[str, Path] | None = None, texts: dict[str, str] | None = None,
-                    force: bool = False) -> Path:
+                    force: bool = False, draft: DSpark | None = None) -> Path:
     """Write `model` as a checkpoint folder laid out like the release (config.json in official form `raw`,
-    sharded safetensors + index, mtp.0.* in the last shard), or as save_pretrained writes it (names="hf").
+    sharded safetensors + index, mtp.* in the last shard), or as save_pretrained writes it (names="hf").
+    `draft`: a DSpark drafter whose mtp.* tensors go beside the target's (its embedding and head are the target's).
     Built in a temporary folder and renamed at the end; `extra_files` (e.g. tokenizer.json) are copied in, `texts`
     written as given."""
     raw = dict(raw, torch_dtype=dtype)
-    tensors = _tensors(model, getattr(torch, dtype), quantize, "scale" if names == "official" else "weight_scale_inv")
+    scale_suffix = "scale" if names == "official" else "weight_scale_inv"
+    tensors = _tensors(model, getattr(torch, dtype), quantize, scale_suffix)
+    if draft is not None:
+        tensors |= {k: v for k, v in _tensors(draft, getattr(torch, dtype), quantize, scale_suffix).items()
+                    if k.startswith("mtp.")}
     if not mtp:
         tensors = {k: v for k, v in tensors.items() if not k.startswith("mtp.")}
     if names == "hf":
@@ -292,5 +345,5 @@ def shard_groups(names: list[str], shards: int) -> list[list[str]]:
     return [g for g in groups if g]
 
 
-__all__ = ["TINY_CONFIGS", "WIDE_CONFIGS", "CONFIGS", "make_tiny", "save_checkpoint", "random_model", "official_to_hf_name", "hf_config",
+__all__ = ["DRAFTERS", "dspark_config", "random_dspark", "TINY_CONFIGS", "WIDE_CONFIGS", "CONFIGS", "make_tiny", "save_checkpoint", "random_model", "official_to_hf_name", "hf_config",
            "stored_form", "shard_groups", "write_checkpoint_folder"]

@@ -49,6 +49,46 @@ SIZE_BOUNDS = {
 }
 MAX_EXPERTS = 1 << 16           # routed experts over all layers (V4-Pro: 61 x 384 = 23,424)
 DSPARK_PREFIX = "dspark_"       # config keys of the DSpark drafter (V4-Flash-0731), which is not an MTP layer
+DSPARK_STAGES = 3               # the blocks of the releases' DSpark drafter (mtp.0..2)
+MAX_DSPARK_BLOCK = 16           # drafted tokens per cycle a DSpark block may have (the releases: 5; recipes use 7)
+V41_MODEL_TYPE = "deepseek_v41" # DeepSeek-V4.1: another architecture (encoder/decoder layers, CSA2, Engram tables)
+
+
+@dataclass(frozen=True)
+class DSparkConfig:
+    """The DSpark drafter of the current V4 releases (V4-Flash-0731, V4-Pro-0813, the -DSpark repacks): `stages`
+    V4 blocks under mtp.0..stages-1 that read the mean of the target's hc streams after each of
+    `target_layer_ids`, draft `block_size` tokens per cycle by default from a block [anchor, noise x (N - 1)], and
+    correct each draft with a Markov head of rank `markov_rank` (docs/model.md §4.2)."""
+
+    block_size: int
+    noise_token_id: int
+    target_layer_ids: tuple[int, ...]
+    markov_rank: int
+    stages: int = DSPARK_STAGES
+
+    @classmethod
+    def read(cls, f: JsonFields, n_layers: int, vocab: int) -> "DSparkConfig | None":
+        """The dspark_* keys (and inference/config.json's n_mtp_layers) checked, or None without dspark_* keys."""
+        if not any(k.startswith(DSPARK_PREFIX) for k in f.raw):
+            return None
+        ids = f.items("dspark_target_layer_ids", int, most=n_layers)
+        for layer in ids:
+            if not 0 <= layer < n_layers:
+                f.fail("dspark_target_layer_ids", f"entries must be target layers, 0 to {n_layers - 1}", layer)
+        if len(set(ids)) != len(ids) or not ids:
+            f.fail("dspark_target_layer_ids", "must list distinct target layers, at least one", ids)
+        return cls(block_size=f.integer("dspark_block_size", 1, MAX_DSPARK_BLOCK),
+                   noise_token_id=f.integer("dspark_noise_token_id", 0, vocab - 1),
+                   target_layer_ids=tuple(ids),
+                   markov_rank=f.integer("dspark_markov_rank", 1, SIZE_BOUNDS["hidden_size"]),
+                   stages=f.integer("n_mtp_layers", 1, SIZE_BOUNDS["num_nextn_predict_layers"], DSPARK_STAGES))
+
+    def to_json(self) -> dict[str, Any]:
+        """As config.json says it."""
+        return {"dspark_block_size": self.block_size, "dspark_noise_token_id": self.noise_token_id,
+                "dspark_target_layer_ids": list(self.target_layer_ids), "dspark_markov_rank": self.markov_rank,
+                "n_mtp_layers": self.stages}
 
 
 @dataclass(frozen=True)
@@ -78,20 +118,20 @@ DEFAULT_NUMBERS = {"hc_eps": 1e-6, "routed_scaling_factor": 1.5, "swiglu_limit":
 AT_LEAST_ZERO = ("n_shared_experts", "num_nextn_predict_layers")
 
 
-def _transformers_form(f: JsonFields, n_layers: int, n_mtp: int, rates: dict[str, int]
+def _transformers_form(f: JsonFields, n_layers: int, n_draft: int, rates: dict[str, int]
                        ) -> tuple[list[str], list[str]]:
     """(layer kinds, MoE kinds) of transformers' form: listed, as `layer_types` and `mlp_layer_types`."""
     return f.items("layer_types", str, most=n_layers), _mlp_kinds(f, n_layers)
 
 
-def _official_form(f: JsonFields, n_layers: int, n_mtp: int, rates: dict[str, int]) -> tuple[list[str], list[str]]:
+def _official_form(f: JsonFields, n_layers: int, n_draft: int, rates: dict[str, int]) -> tuple[list[str], list[str]]:
     """(layer kinds, MoE kinds) of the official form: each layer's compression ratio (`compress_ratios`, the draft
-    layers' after the target's, all 0)."""
-    ratios = f.items("compress_ratios", int, None, most=n_layers + n_mtp)
+    layers' after the target's, all 0: the MTP layer's, or DSpark's stages)."""
+    ratios = f.items("compress_ratios", int, None, most=n_layers + n_draft)
     if ratios is None:
         raise ConfigError(f"{f.source}: field 'layer_types' (or 'compress_ratios') is missing")
-    if len(ratios) not in (n_layers, n_layers + n_mtp):
-        f.fail("compress_ratios", f"must have num_hidden_layers ({n_layers}) + num_nextn_predict_layers ({n_mtp}) "
+    if len(ratios) not in (n_layers, n_layers + n_draft):
+        f.fail("compress_ratios", f"must have num_hidden_layers ({n_layers}) + the draft layers ({n_draft}) "
                "entries", len(ratios))
     if any(r != 0 for r in ratios[n_layers:]):
         f.fail("compress_ratios", "must be 0 (sliding) for the draft layers after the target's", ratios[n_layers:])
@@ -202,7 +242,7 @@ class V4Config:
     torch_dtype: str = "bfloat16"
     quantization: dict[str, Any] | None = None
     expert_dtype: str | None = None
-    dspark: dict[str, Any] | None = None          # the dspark_* keys of a checkpoint whose draft module is DSpark
+    dspark: DSparkConfig | None = None            # the drafter of a checkpoint whose draft module is DSpark
     source: str = field(default="config.json", compare=False)
 
     # ------------------------------------------------------------------ reading
@@ -222,6 +262,10 @@ class V4Config:
         (the layer kinds, the MoE kinds) each form's own function reads; the rest is common, with DEFAULTS for what
         a config may leave out."""
         f = JsonFields(raw, source, ConfigError)
+        if f.get("model_type", str, "deepseek_v4") == V41_MODEL_TYPE:
+            raise ConfigError(f"{source}: model_type '{V41_MODEL_TYPE}' is DeepSeek-V4.1, another architecture "
+                              "(encoder/decoder layers, CSA2, Engram tables, 32x32 FP8 blocks) that v4engine does not "
+                              "build; it builds DeepSeek-V4 ('deepseek_v4')")
         if f.get("model_type", str, "deepseek_v4") != "deepseek_v4":
             f.fail("model_type", "must be 'deepseek_v4'", raw["model_type"])
         sizes = {name: f.integer(name, 0 if name in AT_LEAST_ZERO else 1, bound, DEFAULTS.get(name, MISSING))
@@ -232,7 +276,9 @@ class V4Config:
         numbers = {name: f.number(name, default=default) for name, default in DEFAULT_NUMBERS.items()}
         form = _transformers_form if raw.get("layer_types") is not None else _official_form
         compress_rates = _compress_rates(f)
-        layer_types, mlp_layer_types = form(f, sizes["num_hidden_layers"], sizes["num_nextn_predict_layers"],
+        dspark = DSparkConfig.read(f, sizes["num_hidden_layers"], sizes["vocab_size"])
+        layer_types, mlp_layer_types = form(f, sizes["num_hidden_layers"],
+                                            dspark.stages if dspark else sizes["num_nextn_predict_layers"],
                                             compress_rates)
         rope_theta, compress_theta, yarn = _ropes(f)
         quant = f.get("quantization_config", dict, None)
@@ -259,7 +305,7 @@ class V4Config:
             torch_dtype=f.get("torch_dtype", str, None) or f.get("dtype", str, "bfloat16"),
             quantization=dict(quant) if quant is not None else None,
             expert_dtype=expert_dtype,
-            dspark={k: v for k, v in raw.items() if k.startswith(DSPARK_PREFIX)} or None,
+            dspark=dspark,
             source=source,
         )
         cfg.validate()
@@ -270,7 +316,8 @@ class V4Config:
         d = asdict(self)
         d.pop("source")
         d.pop("yarn")
-        d.update(d.pop("dspark") or {})
+        d.pop("dspark")
+        d.update(self.dspark.to_json() if self.dspark is not None else {})
         d["layer_types"] = list(self.layer_types)
         d["mlp_layer_types"] = list(self.mlp_layer_types)
         d["quantization_config"] = d.pop("quantization")

@@ -15,7 +15,7 @@ from abc import ABC, abstractmethod
 
 from .calls import Call
 from .config import V4Config
-from .layout import MTP_KIND, STREAMS, CacheLayout, TensorSpec
+from .layout import CAPTURED, DSPARK_KIND, MTP_KIND, STREAMS, CacheLayout, TensorSpec
 
 DRAFT_GRAPH = "draft"           # the draft graph's name in engine.json (its file: draft.onnx)
 
@@ -34,9 +34,17 @@ class DraftSpec(ABC):
     def graph_specs(self, cfg: V4Config, dtype: str, k: int) -> tuple[list[TensorSpec], list[TensorSpec]]:
         """(inputs, outputs) of its graph drafting k tokens per call."""
 
+    def default_tokens(self, cfg: V4Config) -> int:
+        """Draft tokens per step when a build names none (`v4build --mtp` without a value)."""
+        return 1
+
     def target_outputs(self, cfg: V4Config, dtype: str) -> list[TensorSpec]:
         """What it reads of the target's last stage beside `hidden` (those outputs exist only for it)."""
         return []
+
+    def captured_layers(self, cfg: V4Config) -> tuple[int, ...]:
+        """The target layers whose output streams those outputs are made of (each must be in the last stage)."""
+        return ()
 
     def calls(self, k: int, chunk: int) -> dict[Call, tuple[int, int, int]]:
         """Its calls and the (min, opt, max) positions per row of each: EXTEND over a prompt in chunks, CYCLE over
@@ -62,15 +70,63 @@ class MtpSpec(DraftSpec):
         layout = self.layout(cfg)
         inputs = [TensorSpec(STREAMS, dtype, ("batch", "seq", cfg.hc_mult, cfg.hidden_size)),
                   TensorSpec("input_ids", "int64", ("batch", "seq")), TensorSpec("positions", "int64", ("batch", "seq")),
-                  TensorSpec("lengths", "int64", ("batch",)), TensorSpec("temperature", "float32", ("batch",)),
-                  TensorSpec("top_k", "int64", ("batch",)), TensorSpec("top_p", "float32", ("batch",)),
-                  TensorSpec("uniforms", "float32", ("batch", k))]
-        outputs = [TensorSpec("drafts", "int64", ("batch", k)),
-                   TensorSpec("draft_probs", "float32", ("batch", k, cfg.vocab_size))]
+                  TensorSpec("lengths", "int64", ("batch",))] + sampling_inputs(k)
+        return inputs + layout.inputs(dtype), draft_outputs(cfg, k) + layout.outputs(dtype)
+
+
+def sampling_inputs(k: int) -> list[TensorSpec]:
+    """Each row's sampling settings and one uniform number per draft: what a graph that draws k drafts takes."""
+    return [TensorSpec("temperature", "float32", ("batch",)), TensorSpec("top_k", "int64", ("batch",)),
+            TensorSpec("top_p", "float32", ("batch",)), TensorSpec("uniforms", "float32", ("batch", k))]
+
+
+def draft_outputs(cfg: V4Config, k: int) -> list[TensorSpec]:
+    """The k drafts of each row and the distribution each was drawn from."""
+    return [TensorSpec("drafts", "int64", ("batch", k)),
+            TensorSpec("draft_probs", "float32", ("batch", k, cfg.vocab_size))]
+
+
+class DSparkSpec(DraftSpec):
+    """The DSpark drafter of the current V4 releases (`mtp.0..2`, builder/model/dspark.py) as one call per cycle.
+
+    It reads the target's `captured` rows (the mean of the hc streams after each of dspark_target_layer_ids) of
+    the newly committed positions and keeps, per stage, a ring of the context keys of the last W positions. In:
+    those rows, their positions, each row's valid `lengths`, the `anchor` (the token after them, whose position
+    starts the block), its sampling settings and one uniform number per draft. Out: the `drafts`, the
+    distributions they were drawn from, each draft's `confidence` logit, and the new rows of every stage's ring."""
+
+    method = "dspark"
+
+    def layout(self, cfg: V4Config, value_bytes: int = 4) -> CacheLayout:
+        stages = cfg.dspark.stages if cfg.dspark is not None else 0
+        return CacheLayout(cfg, [(cfg.num_hidden_layers + s, DSPARK_KIND) for s in range(stages)], value_bytes)
+
+    def default_tokens(self, cfg: V4Config) -> int:
+        return cfg.dspark.block_size if cfg.dspark is not None else 1
+
+    def captured_width(self, cfg: V4Config) -> int:
+        return len(cfg.dspark.target_layer_ids) * cfg.hidden_size if cfg.dspark is not None else 0
+
+    def graph_specs(self, cfg: V4Config, dtype: str, k: int) -> tuple[list[TensorSpec], list[TensorSpec]]:
+        if k < 1:
+            raise ValueError(f"the draft graph drafts k >= 1 tokens (got {k})")
+        layout = self.layout(cfg)
+        inputs = [TensorSpec(CAPTURED, dtype, ("batch", "seq", self.captured_width(cfg))),
+                  TensorSpec("positions", "int64", ("batch", "seq")), TensorSpec("lengths", "int64", ("batch",)),
+                  TensorSpec("anchor", "int64", ("batch",))] + sampling_inputs(k)
+        outputs = draft_outputs(cfg, k) + [TensorSpec("confidence", "float32", ("batch", k))]
         return inputs + layout.inputs(dtype), outputs + layout.outputs(dtype)
+
+    def target_outputs(self, cfg: V4Config, dtype: str) -> list[TensorSpec]:
+        return [TensorSpec(CAPTURED, dtype, ("batch", "seq", self.captured_width(cfg)))]
+
+    def captured_layers(self, cfg: V4Config) -> tuple[int, ...]:
+        return cfg.dspark.target_layer_ids if cfg.dspark is not None else ()
 
 
 MTP = MtpSpec()
-DRAFT_SPECS: dict[str, DraftSpec] = {spec.method: spec for spec in (MTP,)}
+DSPARK = DSparkSpec()
+DRAFT_SPECS: dict[str, DraftSpec] = {spec.method: spec for spec in (MTP, DSPARK)}
 
-__all__ = ["DRAFT_GRAPH", "DRAFT_SPECS", "DraftSpec", "MTP", "MtpSpec"]
+__all__ = ["DRAFT_GRAPH", "DRAFT_SPECS", "DSPARK", "DSparkSpec", "DraftSpec", "MTP", "MtpSpec", "draft_outputs",
+           "sampling_inputs"]

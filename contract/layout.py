@@ -37,6 +37,8 @@ from .stages import Stage, single_stage
 WINDOW, COMPRESSOR, COMPRESSED = "window_kv", ("compressor_kv", "compressor_gate"), "compressed_kv"
 INDEXER, INDEX_KEYS = ("indexer_kv", "indexer_gate"), "index_keys"
 MTP_KIND = "mtp"                                # the draft layer's kind in engine.json (its attention is sliding)
+DSPARK_KIND = "dspark"                          # a DSpark stage's: a ring of its context keys, W rows
+CAPTURED = "captured"                           # the target's rows DSpark reads (its last stage's extra output)
 MIN_BLOCK_TOKENS = 16                           # a block's positions when the compression ratios allow fewer
 SLOTS, BLOCK_TABLE = "slots", "block_table"     # the graph inputs that address the pools
 NEW_PREFIX = "new."                             # the outputs that carry new cache rows (`new.{layer}.{group}`)
@@ -63,7 +65,7 @@ class CacheGroup:
 
     layer: int
     name: str
-    kind: str                   # the layer's kind (SLIDING, CSA, HCA), or MTP_KIND
+    kind: str                   # the layer's kind (SLIDING, CSA, HCA), or MTP_KIND, DSPARK_KIND
     width: int
     value_bytes: int
     rows_fixed: int = 0
@@ -102,7 +104,13 @@ class CacheGroup:
 
 def state_tokens(cfg: V4Config, kind: str) -> int:
     """Past tokens whose compressor inputs an open window still needs (CSA's windows overlap two)."""
-    return 0 if kind in (SLIDING, MTP_KIND) else open_window_tokens(kind, cfg.compress_rates[kind])
+    return 0 if kind in (SLIDING, MTP_KIND, DSPARK_KIND) else open_window_tokens(kind, cfg.compress_rates[kind])
+
+
+def window_rows(cfg: V4Config, kind: str) -> int:
+    """Rows of a layer's window ring: the W - 1 positions before a query's own (V4's window of W includes the
+    query), or a DSpark stage's W context positions (its block's own keys are never kept)."""
+    return cfg.sliding_window if kind == DSPARK_KIND else cfg.sliding_window - 1
 
 
 def open_window_tokens(kind: str, ratio: int) -> int:
@@ -146,8 +154,7 @@ class CacheLayout:
             def group(name: str, width: int, **rows: int) -> CacheGroup:
                 return CacheGroup(layer, name, kind, width, value_bytes, **rows)
 
-            window = cfg.sliding_window - 1
-            self.groups.append(group(WINDOW, cfg.head_dim, rows_fixed=window))
+            self.groups.append(group(WINDOW, cfg.head_dim, rows_fixed=window_rows(cfg, kind)))
             if kind not in (CSA, HCA):
                 continue
             m, partial = cfg.compress_rates[kind], state_tokens(cfg, kind)

@@ -18,7 +18,7 @@ from v4engine.contract.stages import gpu_list
 from .detokenize import IncrementalDetokenizer
 from .drafters import DRAFTERS
 from .generator import Generator
-from .sampling import SamplingParams
+from .sampling import DRAFT_SAMPLE_METHODS, SamplingParams
 
 
 def parser() -> argparse.ArgumentParser:
@@ -35,11 +35,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--drafter", choices=list(DRAFTERS), default=None, help="drafting method: the engine's own draft "
-                   "graph's by default (engine.json's drafter); prompt_lookup drafts from n-grams of the request's own "
-                   "context, on any engine")
+                   "graph's by default (engine.json's drafter: mtp, or dspark for the current releases); prompt_lookup "
+                   "drafts from n-grams of the request's own context, on any engine")
     p.add_argument("--mtp", type=int, default=None, help="draft tokens per step, 0 (no drafting) to what the drafter "
                    "makes on this engine (its own draft graph: the k it was built with); default: the engine's k "
                    "(prompt_lookup on an engine built --mtp 0: 3)")
+    p.add_argument("--draft-sample-method", choices=list(DRAFT_SAMPLE_METHODS), default="probabilistic",
+                   help="when sampling (--temperature > 0), how a draft graph (MTP, DSpark) draws its drafts: "
+                   "probabilistic, from its own distribution at the request's settings (default), or greedy, its "
+                   "argmax; either way the output follows the target's distribution exactly")
     p.add_argument("--devices", default=None, help="GPU of each pipeline stage, comma-separated, e.g. 0,1 for an engine "
                    "built with --pipeline-stages 2 (one per stage; the draft runs on the last stage's); default: every "
                    "stage where the backend runs by default (the CPU for ONNX Runtime)")
@@ -79,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
     generator = Generator.from_engine_dir(args.engine_dir, mtp=args.mtp, drafter=args.drafter, devices=devices,
                                           own_process=True)
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                              top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+                              top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
+                              draft_sample_method=args.draft_sample_method)
     if args.stream and not args.json:       # text pieces never split a character nor show a stop string
         detok = IncrementalDetokenizer(generator.tokenizer, sampling.stop) if generator.tokenizer else None
         for chunk in generator.stream(prompt, sampling):
@@ -91,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             metrics = {k: result.metrics[k] for k in ("drafted", "accepted", "acceptance_rate",
                                                        "mean_acceptance_length", "per_position_acceptance",
-                                                       "verify_steps", "time_to_first_token", "tokens_per_second")}
+                                                       "verify_steps", "mean_confidence", "time_to_first_token",
+                                                       "tokens_per_second")}
             print(json.dumps({"token_ids": result.token_ids, "text": result.text,
                               "finish_reason": result.finish_reason, "metrics": metrics}))
         else:

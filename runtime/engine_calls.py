@@ -30,7 +30,7 @@ class EngineCalls:
         seconds = time.perf_counter() - started
         self.steps += 1
         if self.on_call is not None:
-            self.on_call(kind, feeds["input_ids"].shape, seconds)
+            self.on_call(kind, feeds["positions"].shape, seconds)
         return out, seconds
 
 

@@ -46,6 +46,9 @@ def is_sequence(value) -> bool:
     return isinstance(value, (list, tuple))
 
 
+DRAFT_SAMPLE_METHODS = ("probabilistic", "greedy")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request generates. `validate` refuses, in one line naming the field, every value that cannot be
@@ -63,6 +66,9 @@ class SamplingParams:
     stop_token_ids    token ids (the scheduler checks them against the vocabulary)
     ignore_eos        a bool: do not stop at the end-of-sequence token
     num_draft_tokens  None (the scheduler's mtp) or an integer from 0 to it (checked by the scheduler)
+    draft_sample_method  how a drafter with a graph draws its drafts when the request samples: "probabilistic"
+                      (default: from the draft model's distribution at the request's settings) or "greedy" (its
+                      argmax, a one-hot distribution; vLLM's option of the same name). Acceptance is lossless either way
 
     Refused: inf or NaN anywhere, bools for numbers, numbers given as text, a single string for `stop`.
     """
@@ -76,6 +82,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     num_draft_tokens: int | None = None
+    draft_sample_method: str = "probabilistic"
 
     def validate(self) -> None:
         if not is_integer(self.max_new_tokens) or self.max_new_tokens <= 0:
@@ -96,6 +103,9 @@ class SamplingParams:
                 raise RequestError(f"stop_token_ids[{i}] must be a token id (got {reprlib.repr(t)})")
         if not isinstance(self.ignore_eos, (bool, np.bool_)):
             raise RequestError(f"ignore_eos must be true or false (got {reprlib.repr(self.ignore_eos)})")
+        if self.draft_sample_method not in DRAFT_SAMPLE_METHODS:
+            raise RequestError(f"draft_sample_method must be one of {', '.join(DRAFT_SAMPLE_METHODS)} "
+                               f"(got {reprlib.repr(self.draft_sample_method)})")
 
     @property
     def greedy(self) -> bool:

@@ -388,7 +388,7 @@ class Scheduler:
             q = r.proposal.distributions(logits.shape[-1])                               # [j, V]
             accepted, token = accept_sampled(distribution(logits, r.params), q, drafts, r.rng)
         if drafts:
-            r.metrics.record_verify(len(drafts), accepted)
+            r.metrics.record_verify(len(drafts), accepted, r.proposal.confidence)
         self._commit(r, out, b, accepted + 1, prefill=False)
         r.proposal = None
         self._emit(r, drafts[:accepted] + [token], new_tokens)

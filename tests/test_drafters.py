@@ -15,7 +15,19 @@ from v4engine.runtime.generator import Generator
 from v4engine.runtime.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=32, ignore_eos=True)
-TOKENS = {"mtp": (1, 3), "prompt_lookup": (1, 3, 5)}       # k per method on the trained engine (built --mtp 3)
+TOKENS = {"mtp": (1, 3), "prompt_lookup": (1, 3, 5), "dspark": (1, 3, 7)}       # k per method on its engine
+
+
+@pytest.fixture
+def engine_of(request, trained_engine):
+    """engine_of(method): an engine the method drafts on: the trained tiny V4 (built --mtp 3), or for DSpark a tiny
+    DSpark checkpoint whose drafts are often accepted (make-tiny --drafter dspark --agree 0.1, built --mtp 7)."""
+    def get(method: str):
+        if method == "dspark":
+            return request.getfixturevalue("tiny_engine")("mixed", mtp=7, drafter="dspark", agree=0.1)[1]
+        return trained_engine
+
+    return get
 
 
 def test_every_drafting_method_with_a_graph_is_complete():
@@ -36,10 +48,11 @@ def prompts(engine) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("drafter, k", [(d, k) for d in sorted(TOKENS) for k in TOKENS[d]])
-def test_greedy_tokens_equal_no_drafting_solo_and_batched(trained_engine, drafter, k):
-    ps = prompts(trained_engine)
-    plain = [r.token_ids for r in Generator.from_engine_dir(trained_engine, mtp=0).generate(ps, GREEDY)]
-    generator = Generator.from_engine_dir(trained_engine, drafter=drafter, mtp=k)
+def test_greedy_tokens_equal_no_drafting_solo_and_batched(engine_of, drafter, k):
+    engine = engine_of(drafter)
+    ps = prompts(engine)
+    plain = [r.token_ids for r in Generator.from_engine_dir(engine, mtp=0).generate(ps, GREEDY)]
+    generator = Generator.from_engine_dir(engine, drafter=drafter, mtp=k)
     assert [r.token_ids for r in generator.generate(ps, GREEDY)] == plain
     assert [generator.generate([p], GREEDY)[0].token_ids for p in ps] == plain
     assert generator.totals.accepted > 0, "its drafts are accepted: rollback is exercised"
@@ -47,14 +60,15 @@ def test_greedy_tokens_equal_no_drafting_solo_and_batched(trained_engine, drafte
 
 
 @pytest.mark.parametrize("drafter", sorted(DRAFTERS))
-def test_a_prefix_fork_and_a_preemption_give_the_cold_tokens(trained_engine, drafter):
-    ps = prompts(trained_engine)
+def test_a_prefix_fork_and_a_preemption_give_the_cold_tokens(engine_of, drafter):
+    engine = engine_of(drafter)
+    ps = prompts(engine)
     long = ps[0] * 3                       # past a cache block: prefix entries are taken
     params = [SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=t, seed=i)
               for i, t in enumerate((0.0, 1.0, 1.0))]
-    cold = Generator.from_engine_dir(trained_engine, drafter=drafter, prefix_cache=False)
+    cold = Generator.from_engine_dir(engine, drafter=drafter, prefix_cache=False)
     want = [cold.generate([p], s)[0] for p, s in zip([long] + ps[1:], params)]
-    warm = Generator.from_engine_dir(trained_engine, drafter=drafter)
+    warm = Generator.from_engine_dir(engine, drafter=drafter)
     warm.generate([long + ps[2]], params[0])
     for sampling in params[:2]:                          # greedy, and sampled
         got, alone = warm.generate([long], sampling)[0], cold.generate([long], sampling)[0]
@@ -64,7 +78,7 @@ def test_a_prefix_fork_and_a_preemption_give_the_cold_tokens(trained_engine, dra
     probe = cold.scheduler
     # three batch rows, and blocks for the longest request alone at its longest: the others wait or are preempted
     budget = 3 * probe.cache_bytes(0) + probe.blocks_for(len(long) + 24 + 4) * probe.pools["target"].block_bytes
-    small = Generator.from_engine_dir(trained_engine, drafter=drafter, prefix_cache=False,
+    small = Generator.from_engine_dir(engine, drafter=drafter, prefix_cache=False,
                                       limits=Limits(max_batch=3, max_cache_bytes=budget))
     results = small.generate([long] + ps[1:], params)
     assert sum(r.metrics["preemptions"] for r in results) > 0, "the pool ran out"

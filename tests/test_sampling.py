@@ -36,12 +36,14 @@ def chi2_critical(df: int, z: float = 3.09) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-@pytest.mark.parametrize("drafter", ["mtp", "prompt_lookup"])
+@pytest.mark.parametrize("drafter", ["mtp", "prompt_lookup", "dspark", "dspark-greedy-drafts"])
 def test_first_two_sampled_tokens_follow_the_target_joint_distribution(tiny_engine, drafter):
-    checkpoint, engine = tiny_engine("mixed", agree=0.05)
+    checkpoint, engine = tiny_engine("mixed", agree=0.05) if not drafter.startswith("dspark") else \
+        tiny_engine("mixed", mtp=7, drafter="dspark", agree=0.1)
     model = load_model(checkpoint, mtp=False)
     prompt = [5, 17, 99, 3, 42, 8, 61]
     options = {"mtp": 3}
+    drafts = {"draft_sample_method": "greedy"} if drafter == "dspark-greedy-drafts" else {}
     if drafter == "prompt_lookup":      # a prompt that repeats its n-grams: the target's own greedy cycle
         cycle = Generator.from_engine_dir(engine, mtp=0).generate([prompt[:3]], GREEDY_20)[0].token_ids
         prompt, options = prompt[:3] + cycle, {"drafter": "prompt_lookup", "mtp": 3}
@@ -58,8 +60,8 @@ def test_first_two_sampled_tokens_follow_the_target_joint_distribution(tiny_engi
              if pb > 0}
 
     generator = Generator.from_engine_dir(engine, limits=Limits(max_batch=64), **options)
-    results = generator.generate([prompt] * N, [SamplingParams(max_new_tokens=2, ignore_eos=True, seed=s, **SHAPE)
-                                               for s in range(N)])
+    results = generator.generate([prompt] * N, [SamplingParams(max_new_tokens=2, ignore_eos=True, seed=s, **SHAPE,
+                                                              **drafts) for s in range(N)])
     observed: dict[tuple[int, int], int] = {}
     for r in results:
         observed[tuple(r.token_ids)] = observed.get(tuple(r.token_ids), 0) + 1

@@ -55,6 +55,7 @@ SAMPLING = (
     Tensor("top_k", "INT32", optional=True),
     Tensor("seed", "INT64", optional=True),
     Tensor("num_draft_tokens", "INT32", optional=True),  # drafts per step, 0..the repository's k (default k)
+    Tensor("draft_sample_method", "STRING", optional=True),    # "probabilistic" (default) or "greedy" drafts
     Tensor("ignore_eos", "BOOL", optional=True),
     Tensor("stream", "BOOL", optional=True),             # one response per step instead of one at the end
     Tensor("exclude_input_in_output", "BOOL", optional=True),   # default true: generated text only

@@ -1,4 +1,5 @@
-"""A whole MTP draft cycle in one forward: the draft graph the engine exports (docs/architecture.md §4).
+"""A whole draft cycle in one forward: the draft graph the engine exports (docs/architecture.md §4), for MTP and
+for DSpark (`dspark_draft_outputs`, at the end), and the in-graph sampling both draw their drafts with.
 
 One call runs DRAFT-EXTEND over the positions the target committed since the last cycle, takes each row's last
 valid position, draws d1, then applies the MTP layer k - 1 more times on its own streams and its own previous
@@ -23,8 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from v4engine.contract.layout import CacheGroup
+from v4engine.contract.layout import CAPTURED, CacheGroup
 
+from .dspark import BlockContext, DSpark
 from .v4 import LayerCache, LayerDelta, Transformer
 
 DRAFT_CANDIDATES = 2048        # the most likely tokens a filtering (top-k / top-p) row ranks, per draft
@@ -147,3 +149,32 @@ def mtp_draft_outputs(model: Transformer, feeds: dict[str, torch.Tensor], caches
     cycle = draft_cycle(model, feeds["hidden"], feeds["input_ids"], feeds["positions"], feeds["lengths"], caches[0],
                         feeds["temperature"], feeds["top_k"], feeds["top_p"], feeds["uniforms"], conditional)
     return {"drafts": cycle.drafts, "draft_probs": cycle.probs} | {g.new: getattr(cycle.delta, g.name) for g in groups}
+
+
+def dspark_draft_outputs(model: DSpark, feeds: dict[str, torch.Tensor], caches: list[LayerCache],
+                         groups: list[CacheGroup], conditional: bool = True) -> dict[str, torch.Tensor]:
+    """The DSpark draft graph (contract/drafting.py DSparkSpec): one cycle per call.
+
+    The context keys of the newly committed positions (captured/positions [B, S], row b valid for its first
+    lengths[b]), then the block at the anchor's position p + 1 = start + length, which sees each stage's ring and
+    those new keys over the last min(W, p + 1) positions, then the Markov loop drawing k = uniforms.shape[1]
+    drafts. The new keys come back as the rings' rows (`new.*`), committed by length."""
+    positions, lengths, uniforms = feeds["positions"], feeds["lengths"], feeds["uniforms"]
+    new = model.context_keys(feeds[CAPTURED], positions)                           # per stage [B, S, d]
+    W = model.cfg.sliding_window
+    start = positions[:, :1]                                                        # [B, 1]
+    ring = start - W + torch.arange(W, device=positions.device)                     # [B, W] the rings' positions
+    key_pos = torch.cat([ring, positions], dim=1)                                   # [B, W + S]
+    end = start + lengths.unsqueeze(1)                                              # [B, 1] p + 1
+    visible = (key_pos >= 0) & (key_pos < end) & (key_pos >= end - W)
+    contexts = [BlockContext(torch.cat([cache.window_kv, keys], dim=1), visible) for cache, keys in zip(caches, new)]
+    anchor = feeds["anchor"]
+    y, logits = model.block(anchor, end[:, 0], contexts, uniforms.shape[1])
+
+    def sample(u: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return draft_token(u, feeds["temperature"], feeds["top_k"], feeds["top_p"], uniforms[:, i], conditional)
+
+    out = model.markov_drafts(y, logits, anchor, sample)
+    stage = {layer: i for i, layer in enumerate(sorted({g.layer for g in groups}))}
+    return {"drafts": out.drafts, "draft_probs": out.probs, "confidence": out.confidence} | \
+        {g.new: new[stage[g.layer]] for g in groups}

@@ -14,7 +14,9 @@ positions continuing, so no valid token ever sees it (everything is causal).
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, Self
 
 import torch
 import torch.nn.functional as F
@@ -70,6 +72,7 @@ class ForwardOutput:
     logits: torch.Tensor            # [B, S, V]
     hidden: torch.Tensor            # [B, S, hc_mult, D] pre-hc_head streams (the MTP layer's input)
     deltas: list[LayerDelta] = field(default_factory=list)
+    captured: list[torch.Tensor] = field(default_factory=list)   # [B, S, hc_mult, D] per layer asked to capture
 
 
 # --------------------------------------------------------------------------- small pieces
@@ -219,17 +222,14 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: LayerCache) -> tuple[torch.Tensor, LayerDelta]:
         cfg = self.cfg
-        B, S, _ = x.shape
-        H, d, W = cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window
+        W = cfg.sliding_window
         cos, sin = self.rotary.at(positions)
-        qr = self.q_norm(self.wq_a(x))
-        q = unweighted_rms_norm(self.wq_b(qr).view(B, S, H, d), cfg.rms_norm_eps)
-        q = apply_rope(q, cos, sin)
-        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
+        q, qr = self.queries(x, cos, sin)
+        kv = self.keys(x, cos, sin)
 
         keys = torch.cat([cache.window_kv, kv], dim=1)
         key_pos = positions[:, :1] - (W - 1) + torch.arange(keys.shape[1], device=x.device).unsqueeze(0)
-        scale = d ** -0.5
+        scale = cfg.head_dim ** -0.5
         delta = LayerDelta(window_kv=kv)
         if self.kind == SLIDING:
             o = sliding_attention(q, positions, keys, key_pos, self.attn_sink, window=W, scale=scale)
@@ -248,12 +248,30 @@ class Attention(nn.Module):
                 delta.indexer_kv, delta.indexer_gate = index_delta.indexer_kv, index_delta.indexer_gate
                 delta.index_keys = index_delta.index_keys
                 o = csa_attention(q, positions, keys, key_pos, all_rows, topk, self.attn_sink, window=W, scale=scale)
-        # V = K carries rope on its trailing dims: de-rotate the output at the query position.
+        return self.output(o, cos, sin), delta
+
+    def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q [B,S,H,d]: low-rank, per-head RMS-normed, rotated; the normed low-rank qr [B,S,q_lora_rank])."""
+        B, S, _ = x.shape
+        qr = self.q_norm(self.wq_a(x))
+        q = unweighted_rms_norm(self.wq_b(qr).view(B, S, self.cfg.num_attention_heads, self.cfg.head_dim),
+                                self.cfg.rms_norm_eps)
+        return apply_rope(q, cos, sin), qr
+
+    def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The one K=V head of each position [B,S,d], normed and rotated: what the window keeps."""
+        return apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
+
+    def output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Attention output [B,S,H,d] -> [B,S,D]: de-rotated (V = K carries rope on its trailing dims) at the query
+        position, then the grouped low-rank projection wo_a and wo_b."""
+        cfg = self.cfg
+        B, S, H, d = o.shape
         o = apply_rope(o, cos, sin, inverse=True)
         groups = o.reshape(B * S, cfg.o_groups, H * d // cfg.o_groups).transpose(0, 1)     # [G, tokens, in]
         wo_a = self.wo_a.weight.view(cfg.o_groups, cfg.o_lora_rank, -1)                  # one [rank, in] per group
         o = torch.matmul(groups, wo_a.transpose(-1, -2)).transpose(0, 1).reshape(B, S, -1)
-        return self.wo_b(o), delta
+        return self.wo_b(o)
 
 
 # --------------------------------------------------------------------------- mixture of experts
@@ -349,16 +367,16 @@ class MoE(nn.Module):
 
 # --------------------------------------------------------------------------- blocks and models
 class Block(nn.Module):
-    """mHC(attention) then mHC(MoE) on the hc_mult residual streams."""
+    """mHC(attention) then mHC(MoE) on the hc_mult residual streams (`attention`: V4's, or a drafter's own)."""
 
-    def __init__(self, cfg: V4Config, kind: str, hashed: bool):
+    def __init__(self, cfg: V4Config, kind: str, hashed: bool, attention: type[Attention] = Attention):
         super().__init__()
         self.cfg = cfg
         n, D = cfg.hc_mult, cfg.hidden_size
         mix = (2 + n) * n
         self.attn_norm = RMSNorm(D, cfg.rms_norm_eps)
         self.ffn_norm = RMSNorm(D, cfg.rms_norm_eps)
-        self.attn = Attention(cfg, kind)
+        self.attn = attention(cfg, kind)
         self.ffn = MoE(cfg, hashed)
         self.hc_attn_fn = nn.Parameter(torch.zeros(mix, n * D))
         self.hc_attn_base = nn.Parameter(torch.zeros(mix))
@@ -367,8 +385,10 @@ class Block(nn.Module):
         self.hc_ffn_base = nn.Parameter(torch.zeros(mix))
         self.hc_ffn_scale = nn.Parameter(torch.ones(3))
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, cache: LayerCache
-                ) -> tuple[torch.Tensor, LayerDelta]:
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, cache: Any
+                ) -> tuple[torch.Tensor, Any]:
+        """Streams x [B,S,N,D] -> (streams, what the attention returns beside its output: a LayerDelta for V4's).
+        `cache`: what the attention reads (a LayerCache for V4's)."""
         post, comb, u = hyper_connection(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.cfg)
         y, delta = self.attn(self.attn_norm(u), positions, cache)
         x = hyper_expand(x, y, post, comb)
@@ -410,7 +430,24 @@ class MTPLayer(Block):
         return self.norm(hyper_head(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.cfg))
 
 
-class Transformer(nn.Module):
+class ExportedModel(nn.Module):
+    """What a graph is exported from (the target, a drafter): the two forms it takes for export."""
+
+    def stack_experts(self) -> Self:
+        """Every MoE's routed experts as StackedExperts (MoE.stack_experts): the form the graphs are exported in."""
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.stack_experts()
+        return self
+
+    def to_dtype(self, dtype: torch.dtype) -> Self:
+        """Activations and most weights in `dtype`; the hc mixes, sinks, ape and router bias stay fp32 (as stored)."""
+        for name, p in self.named_parameters():
+            p.data = p.data.to(torch.float32 if FP32_PARAMETERS.search(name) else dtype)
+        return self
+
+
+class Transformer(ExportedModel):
     """The V4 target model (and, with mtp=True, its MTP layer under `mtp.0`). `layers`: build only these target
     layers (a pipeline stage's; none for the draft graph), the others empty modules that keep every layer's name:
     an export of one stage of V4-Flash then does not build 43 layers of 256 experts first."""
@@ -430,37 +467,30 @@ class Transformer(nn.Module):
         self.hc_head_scale = nn.Parameter(torch.ones(1))
         self.mtp = nn.ModuleList([MTPLayer(cfg)] if mtp else [])
 
-    def stack_experts(self) -> "Transformer":
-        """Every MoE's routed experts as StackedExperts (MoE.stack_experts): the form the graphs are exported in."""
-        for module in self.modules():
-            if isinstance(module, MoE):
-                module.stack_experts()
-        return self
-
-    def to_dtype(self, dtype: torch.dtype) -> "Transformer":
-        """Activations and most weights in `dtype`; the hc mixes, sinks, ape and router bias stay fp32 (as stored)."""
-        for name, p in self.named_parameters():
-            p.data = p.data.to(torch.float32 if FP32_PARAMETERS.search(name) else dtype)
-        return self
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[LayerCache]) -> ForwardOutput:
-        """Target over new tokens: input_ids/positions [B,S] (positions consecutive per row), one cache per layer."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[LayerCache],
+                capture: Sequence[int] = ()) -> ForwardOutput:
+        """Target over new tokens: input_ids/positions [B,S] (positions consecutive per row), one cache per layer;
+        `capture`: layers whose output streams come back too (`captured`, in that order: what DSpark reads)."""
         x = self.embedded_streams(input_ids)
-        x, deltas = self.run_layers(x, input_ids, positions, caches, range(len(self.layers)))
-        return ForwardOutput(logits=self.logits(x), hidden=x, deltas=deltas)
+        x, deltas, streams = self.run_layers(x, input_ids, positions, caches, range(len(self.layers)), capture)
+        return ForwardOutput(logits=self.logits(x), hidden=x, deltas=deltas, captured=[streams[i] for i in capture])
 
     def embedded_streams(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The first layer's input: each token's embedding on all hc_mult streams [B,S,N,D]."""
         return self.embed(input_ids).unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1)
 
     def run_layers(self, x: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[LayerCache],
-                   layers: range) -> tuple[torch.Tensor, list[LayerDelta]]:
-        """Streams x through `layers` (a pipeline stage's, or all), one cache each: (their output streams, deltas)."""
-        deltas = []
+                   layers: range, capture: Sequence[int] = ()
+                   ) -> tuple[torch.Tensor, list[LayerDelta], dict[int, torch.Tensor]]:
+        """Streams x through `layers` (a pipeline stage's, or all), one cache each: (their output streams, deltas,
+        the output streams of the layers in `capture` that are among them, by layer)."""
+        deltas, captured = [], {}
         for i, cache in zip(layers, caches):
             x, delta = self.layers[i](x, input_ids, positions, cache)
             deltas.append(delta)
-        return x, deltas
+            if i in capture:
+                captured[i] = x
+        return x, deltas, captured
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The last layer's streams -> logits [B,S,V] (float32): hc head, norm, LM head."""

@@ -39,10 +39,12 @@ class Proposal:
 
     tokens: list[int]
     probs: np.ndarray | None = None
+    confidence: np.ndarray | None = None     # [len(tokens)]: each draft's survival chance, where the drafter says
 
     def trimmed(self, n: int) -> "Proposal":
         """The first n drafts (a verify never commits past the request's capacity)."""
-        return Proposal(self.tokens[:n], None if self.probs is None else self.probs[:n])
+        return Proposal(self.tokens[:n], None if self.probs is None else self.probs[:n],
+                        None if self.confidence is None else self.confidence[:n])
 
     def distributions(self, vocab: int) -> np.ndarray:
         """[len(tokens), vocab]: `probs`, or one-hot rows."""

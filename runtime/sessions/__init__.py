@@ -56,7 +56,7 @@ def checked_outputs(session: EngineSession, feeds: dict[str, np.ndarray], output
                     graph: object) -> dict[str, np.ndarray]:
     """`outputs`, once each has its declared rank and fixed dimensions, and the feeds' batch and sequence length:
     what the scheduler indexes them by (a graph that loads but answers otherwise is refused, not indexed)."""
-    batch, seq = feeds["input_ids"].shape
+    batch, seq = feeds["positions"].shape                    # every graph takes positions [batch, seq]
     sizes = {"batch": batch, "seq": seq}
     for spec in session.outputs:
         value = outputs.get(spec.name)

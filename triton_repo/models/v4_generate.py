@@ -59,11 +59,19 @@ class Metrics:
         self.itl = series("v4_inter_token_latency_seconds", "Seconds between two steps that give a request tokens "
                           "(one observation per step; a step gives 1..k+1 tokens with MTP)", F.HISTOGRAM,
                           [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1])
-        self.drafted = series("v4_draft_tokens_total", "Tokens drafted by the MTP layer", F.COUNTER)
+        self.drafted = series("v4_draft_tokens_total", "Tokens drafted (by the engine's drafter, or the request's)",
+                              F.COUNTER)
         self.accepted = series("v4_accepted_draft_tokens_total", "Drafted tokens the target accepted", F.COUNTER)
         self.verify_steps = series("v4_verify_steps_total", "Verify steps (each accepts 0..k drafts)", F.COUNTER)
         self.accepted_at = [series("v4_accepted_at_position_total", "Verify steps that accepted the draft at "
                                    "this position", F.COUNTER, position=str(i + 1)) for i in range(positions)]
+        # a drafter with a confidence head (DSpark): mean confidence = confidence_total / confidence_steps_total
+        self.confidence_at = [series("v4_draft_confidence_total", "The drafter's confidence in the draft at this "
+                                     "position (sigmoid of its confidence head), summed over verify steps", F.COUNTER,
+                                     position=str(i + 1)) for i in range(positions)]
+        self.confident_steps = [series("v4_draft_confidence_steps_total", "Verify steps whose draft at this position "
+                                       "came with a confidence", F.COUNTER, position=str(i + 1))
+                                for i in range(positions)]
         self.generated = series("v4_generated_tokens_total", "Tokens generated", F.COUNTER)
         self.engine_steps = series("v4_engine_steps_total", "Engine calls (draft and verify)", F.COUNTER)
         self.waiting = series("v4_queue_size", "Requests accepted and waiting for a batch slot", F.GAUGE)
@@ -78,6 +86,10 @@ class Metrics:
         self.accepted.increment(m.accepted)
         self.verify_steps.increment(m.verify_steps)
         for series, count in zip(self.accepted_at, m.accepted_at):
+            series.increment(count)
+        for series, total in zip(self.confidence_at, m.confidence_at):
+            series.increment(total)
+        for series, count in zip(self.confident_steps, m.confident_steps):
             series.increment(count)
         self.generated.increment(m.generated)
 

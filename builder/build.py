@@ -263,11 +263,6 @@ def build(options: BuildOptions) -> EngineManifest:
         raise BuildError(f"--mtp must be from 0 to {MAX_MTP} (the {draft.method} drafter's default is {options.mtp})")
     check_limits(dataclasses.asdict(options), cfg, "v4build", BuildError)
     stages = _stages(options, cfg, ckpt)
-    outside = sorted(set(draft.captured_layers(cfg)) - set(stages[-1].layers)) if draft is not None else []
-    if outside:
-        raise BuildError(f"--pipeline-stages {options.pipeline_stages}: the {draft.method} drafter reads target layers "
-                         f"{outside} outside the last stage (layers {stages[-1].layers.start}-"
-                         f"{stages[-1].layers.stop - 1}), which it runs beside; use fewer stages")
     clock.lap("checkpoint")
     with staged_folder(options.output, "building", options.force, ENGINE_FOLDER) as tmp:
         writer = WeightWriter(tmp)
@@ -292,7 +287,7 @@ def build(options: BuildOptions) -> EngineManifest:
             activations = ACTIVATION_DTYPES[options.dtype]
             for name, stage in parts.items():
                 inputs, outputs = draft.graph_specs(cfg, activations, options.mtp) if stage is None else \
-                    target_specs(cfg, activations, stage, draft.target_outputs(cfg, activations) if draft else [])
+                    target_specs(cfg, activations, stage, *(draft.stage_io(cfg, activations, stage) if draft else ()))
                 graphs[name] = GraphEntry(f"{name}.onnx", tuple(inputs), tuple(outputs))
             caches = cache_layouts(cfg, VALUE_BYTES[options.dtype], draft)
             pipeline = [StageEntry(s, resident[s.graph] + (resident[draft.graph] if draft and s.last else 0))

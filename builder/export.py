@@ -29,7 +29,7 @@ from torch.export import Dim
 
 from v4engine.contract.config import SLIDING, V4Config
 from v4engine.contract.drafting import DraftSpec
-from v4engine.contract.layout import CAPTURED, STAGE_INPUT, STREAMS, CacheGroup, CacheLayout, TensorSpec, target_specs
+from v4engine.contract.layout import CAPTURED, CAPTURED_IN, STAGE_INPUT, STREAMS, CacheGroup, CacheLayout, TensorSpec, target_specs
 from v4engine.contract.stages import Stage, single_stage
 from v4engine.plugins import OPSET
 
@@ -88,15 +88,21 @@ class _Graph(nn.Module):
 def _target_outputs(stage: Stage, layout: CacheLayout, draft: DraftSpec | None
                     ) -> Callable[[nn.Module, Feeds, list[LayerCache]], Feeds]:
     """A target stage's forward: embed (first stage) or take the previous stage's streams, run its layers, and the
-    head (last stage), with what the drafter reads of them (DSpark: its `captured` rows)."""
-    ids = draft.captured_layers(layout.cfg) if draft is not None and stage.last else ()
+    head (last stage), with what the drafter reads of them: DSpark's `captured` rows, the previous stage's
+    (`captured_in`) followed by those of its own captured layers."""
+    ids = draft.captured_layers(layout.cfg) if draft is not None else ()
+    mine = tuple(i for i in ids if i in stage.layers)
+    carries = any(i < stage.layers.stop for i in ids)
 
     def forward(model: Transformer, feeds: Feeds, caches: list[LayerCache]) -> Feeds:
         x = model.embedded_streams(feeds["input_ids"]) if stage.first else feeds[STAGE_INPUT]
-        x, deltas, streams = model.run_layers(x, feeds["input_ids"], feeds["positions"], caches, stage.layers, ids)
+        x, deltas, streams = model.run_layers(x, feeds["input_ids"], feeds["positions"], caches, stage.layers, mine)
         out = {g.new: getattr(deltas[g.layer - stage.layers.start], g.name) for g in layout.groups}
-        extra = {CAPTURED: capture([streams[i] for i in ids])} if ids else {}
-        return out | {STREAMS: x} | ({"logits": model.logits(x)} if stage.last else {}) | extra
+        if carries:
+            parts = ([feeds[CAPTURED_IN]] if CAPTURED_IN in feeds else []) + \
+                ([capture([streams[i] for i in mine])] if mine else [])
+            out[CAPTURED] = torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
+        return out | {STREAMS: x} | ({"logits": model.logits(x)} if stage.last else {})
 
     return forward
 
@@ -122,14 +128,10 @@ def export_target(cfg: V4Config, dtype: torch.dtype = torch.float32, max_batch: 
     onnx_ir Model whose checkpoint initializers have no data yet (and which holds only the initializers it reads)."""
     stage = stage or single_stage(cfg.num_hidden_layers)[0]
     dtype_name = str(dtype).removeprefix("torch.")
-    extra = draft.target_outputs(cfg, dtype_name) if draft is not None else []
-    captured = draft.captured_layers(cfg) if draft is not None and stage.last else ()
-    if not set(captured) <= set(stage.layers):                 # v4build checks this first (builder/build.py)
-        raise ValueError(f"the {draft.method} drafter reads target layers {list(captured)}, not all in the last "
-                         f"pipeline stage (layers {stage.layers.start}-{stage.layers.stop - 1})")
+    extra = draft.stage_io(cfg, dtype_name, stage) if draft is not None else ((), ())
     with torch.device("meta"):                               # no weight memory, whatever the model size
         model = Transformer(cfg, mtp=False, layers=stage.layers).stack_experts().to_dtype(dtype).eval()
-    inputs, outputs = target_specs(cfg, dtype_name, stage, extra)
+    inputs, outputs = target_specs(cfg, dtype_name, stage, *extra)
     layout = CacheLayout.target(cfg, layers=stage.layers)
     return _export(_Graph(model, inputs, outputs, layout, _target_outputs(stage, layout, draft)), cfg, inputs, outputs,
                    max_batch, max_seq_len)

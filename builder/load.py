@@ -41,8 +41,9 @@ def draft_module(cfg: V4Config, ckpt: Checkpoint) -> str:
     refused in one line (which other engines half-load as MTP), pointing at --mtp 0, which builds the target."""
     found = ckpt.draft_module
     if found is None:
-        raise CheckpointError(f"{ckpt.directory}: the checkpoint has no mtp.* weights, so no draft module to draft "
-                              "with (transformers' save_pretrained drops them); use --mtp 0 to build without one")
+        raise CheckpointError(f"{ckpt.directory}: the checkpoint has no mtp.* weights (no mtp.0.* draft module: "
+                              "transformers' save_pretrained drops them), so nothing drafts; use --mtp 0 to build "
+                              "without a draft graph")
     if found == "other":
         raise CheckpointError(f"{ckpt.directory}: the tensors under mtp.* are neither V4's MTP layer (mtp.0.e_proj) "
                               "nor a DSpark drafter (mtp.0.main_proj); use --mtp 0 to build the target alone")

@@ -76,8 +76,8 @@ class DSparkConfig:
         for layer in ids:
             if not 0 <= layer < n_layers:
                 f.fail("dspark_target_layer_ids", f"entries must be target layers, 0 to {n_layers - 1}", layer)
-        if len(set(ids)) != len(ids) or not ids:
-            f.fail("dspark_target_layer_ids", "must list distinct target layers, at least one", ids)
+        if ids != sorted(set(ids)) or not ids:
+            f.fail("dspark_target_layer_ids", "must list target layers in ascending order, at least one", ids)
         return cls(block_size=f.integer("dspark_block_size", 1, MAX_DSPARK_BLOCK),
                    noise_token_id=f.integer("dspark_noise_token_id", 0, vocab - 1),
                    target_layer_ids=tuple(ids),

@@ -15,7 +15,8 @@ from abc import ABC, abstractmethod
 
 from .calls import Call
 from .config import V4Config
-from .layout import CAPTURED, DSPARK_KIND, MTP_KIND, STREAMS, CacheLayout, TensorSpec
+from .layout import CAPTURED, CAPTURED_IN, DSPARK_KIND, MTP_KIND, STREAMS, CacheLayout, TensorSpec
+from .stages import Stage
 
 DRAFT_GRAPH = "draft"           # the draft graph's name in engine.json (its file: draft.onnx)
 
@@ -38,13 +39,14 @@ class DraftSpec(ABC):
         """Draft tokens per step when a build names none (`v4build --mtp` without a value)."""
         return 1
 
-    def target_outputs(self, cfg: V4Config, dtype: str) -> list[TensorSpec]:
-        """What it reads of the target's last stage beside `hidden` (those outputs exist only for it)."""
-        return []
-
     def captured_layers(self, cfg: V4Config) -> tuple[int, ...]:
-        """The target layers whose output streams those outputs are made of (each must be in the last stage)."""
+        """The target layers whose output streams it reads beside the last stage's `hidden` (none for MTP)."""
         return ()
+
+    def stage_io(self, cfg: V4Config, dtype: str, stage: Stage) -> tuple[list[TensorSpec], list[TensorSpec]]:
+        """(inputs, outputs) it adds to a target stage to carry what it reads of the captured layers to the last
+        stage (those inputs and outputs exist only for it)."""
+        return [], []
 
     def calls(self, k: int, chunk: int) -> dict[Call, tuple[int, int, int]]:
         """Its calls and the (min, opt, max) positions per row of each: EXTEND over a prompt in chunks, CYCLE over
@@ -117,11 +119,20 @@ class DSparkSpec(DraftSpec):
         outputs = draft_outputs(cfg, k) + [TensorSpec("confidence", "float32", ("batch", k))]
         return inputs + layout.inputs(dtype), outputs + layout.outputs(dtype)
 
-    def target_outputs(self, cfg: V4Config, dtype: str) -> list[TensorSpec]:
-        return [TensorSpec(CAPTURED, dtype, ("batch", "seq", self.captured_width(cfg)))]
-
     def captured_layers(self, cfg: V4Config) -> tuple[int, ...]:
         return cfg.dspark.target_layer_ids if cfg.dspark is not None else ()
+
+    def stage_io(self, cfg: V4Config, dtype: str, stage: Stage) -> tuple[list[TensorSpec], list[TensorSpec]]:
+        """A stage after a captured layer takes the rows captured so far (`captured_in`); a stage at or after one
+        returns them with its own layers' appended (`captured`): the last stage returns them all. The layer ids
+        are ascending (V4Config checks), so the rows come out in dspark_target_layer_ids order."""
+        ids = self.captured_layers(cfg)
+        before = sum(1 for i in ids if i < stage.layers.start)
+        upto = sum(1 for i in ids if i < stage.layers.stop)
+        width = cfg.hidden_size
+        inputs = [TensorSpec(CAPTURED_IN, dtype, ("batch", "seq", before * width))] if before else []
+        outputs = [TensorSpec(CAPTURED, dtype, ("batch", "seq", upto * width))] if upto else []
+        return inputs, outputs
 
 
 MTP = MtpSpec()

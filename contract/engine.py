@@ -176,7 +176,8 @@ class EngineManifest:
         spec = DRAFT_SPECS[drafter] if drafter is not None else None
         stages = _stages(field.nested("pipeline"), model, VALUE_BYTES[dtype], spec)
         specs = {entry.stage.graph: target_specs(model, ACTIVATION_DTYPES[dtype], entry.stage,
-                                                 spec.target_outputs(model, ACTIVATION_DTYPES[dtype]) if spec else [])
+                                                 *(spec.stage_io(model, ACTIVATION_DTYPES[dtype], entry.stage)
+                                                   if spec else ()))
                  for entry in stages}
         if spec is not None:
             specs[spec.graph] = spec.graph_specs(model, ACTIVATION_DTYPES[dtype], mtp)

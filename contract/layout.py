@@ -39,6 +39,7 @@ INDEXER, INDEX_KEYS = ("indexer_kv", "indexer_gate"), "index_keys"
 MTP_KIND = "mtp"                                # the draft layer's kind in engine.json (its attention is sliding)
 DSPARK_KIND = "dspark"                          # a DSpark stage's: a ring of its context keys, W rows
 CAPTURED = "captured"                           # the target's rows DSpark reads (its last stage's extra output)
+CAPTURED_IN = "captured_in"                     # a pipeline stage's input: the previous stage's `captured`
 MIN_BLOCK_TOKENS = 16                           # a block's positions when the compression ratios allow fewer
 SLOTS, BLOCK_TABLE = "slots", "block_table"     # the graph inputs that address the pools
 NEW_PREFIX = "new."                             # the outputs that carry new cache rows (`new.{layer}.{group}`)
@@ -230,18 +231,18 @@ def _dynamic_rows(group: CacheGroup, what: str) -> str:
 
 
 def target_specs(cfg: V4Config, dtype: str = "float32", stage: Stage | None = None,
-                 extra_outputs: Sequence[TensorSpec] = ()) -> tuple[list[TensorSpec], list[TensorSpec]]:
+                 extra_inputs: Sequence[TensorSpec] = (), extra_outputs: Sequence[TensorSpec] = ()
+                 ) -> tuple[list[TensorSpec], list[TensorSpec]]:
     """(inputs, outputs) of the target graph, or of one pipeline stage of it: the engine contract.
 
     A pipeline stage of the target (contract/stages.py) takes the previous stage's `hidden` as `hidden_in` unless it
     is the first, returns `logits` only if it is the last, and reads and writes only its own layers' cache groups.
-    `extra_outputs`: what the engine's drafter reads of the last stage beside `hidden` (its DraftSpec's
-    `target_outputs`, contract/drafting.py)."""
+    `extra_inputs`, `extra_outputs`: what the engine's drafter adds to this stage (its DraftSpec's `stage_io`,
+    contract/drafting.py: DSpark's captured rows, handed from stage to stage as `captured_in`)."""
     stage = stage or single_stage(cfg.num_hidden_layers)[0]
     layout = CacheLayout.target(cfg, layers=stage.layers)
     tokens = [TensorSpec("input_ids", "int64", ("batch", "seq")), TensorSpec("positions", "int64", ("batch", "seq"))]
     streams = TensorSpec(STREAMS, dtype, ("batch", "seq", cfg.hc_mult, cfg.hidden_size))
     logits = [TensorSpec("logits", "float32", ("batch", "seq", cfg.vocab_size))] if stage.last else []
-    inputs = ([] if stage.first else [TensorSpec(STAGE_INPUT, dtype, streams.shape)]) + tokens
-    extra = list(extra_outputs) if stage.last else []
-    return inputs + layout.inputs(dtype), logits + [streams] + extra + layout.outputs(dtype)
+    inputs = ([] if stage.first else [TensorSpec(STAGE_INPUT, dtype, streams.shape)]) + list(extra_inputs) + tokens
+    return inputs + layout.inputs(dtype), logits + [streams] + list(extra_outputs) + layout.outputs(dtype)

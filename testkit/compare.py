@@ -12,32 +12,34 @@ from typing import Any, Callable
 import numpy as np
 
 from v4engine.contract.engine import EngineManifest
-from v4engine.contract.layout import STAGE_INPUT
 from v4engine.runtime.cache import CachePool, SequenceCache
 from v4engine.runtime.pool_arrays import HostArrays
 
 
 def first_call_feeds(manifest: EngineManifest, graph: str, batch: int, seq: int) -> dict[str, np.ndarray]:
-    """The inputs of a first call of `graph` (a prefill on empty caches), random tokens and streams."""
+    """The inputs of a first call of `graph` (a prefill on empty caches): random tokens, and random values for
+    every streams-like input (a stage's `hidden_in`, the draft's `hidden` or `captured`, `captured_in`)."""
     rng = np.random.default_rng(0)
     cfg = manifest.model
-    layout, stage = manifest.layout_of(graph), manifest.stage_of(graph)
+    layout = manifest.layout_of(graph)
     pool = CachePool(layout, batch, batch * layout.blocks_for(seq), HostArrays("fp32"))
     caches = [SequenceCache(pool) for _ in range(batch)]
     for cache in caches:
         cache.reserve(seq)
     feeds = {"input_ids": rng.integers(0, cfg.vocab_size, (batch, seq)),
              "positions": np.tile(np.arange(seq), (batch, 1)), **pool.feeds(caches)}
-    streams = rng.standard_normal((batch, seq, cfg.hc_mult, cfg.hidden_size)).astype(np.float32)
-    if stage is not None and not stage.first:      # a later pipeline stage: the previous stage's streams
-        feeds[STAGE_INPUT] = streams
     if graph == "draft":              # greedy and sampling rows alike
-        feeds |= {"hidden": streams,
-                  "lengths": np.full(batch, seq, np.int64),
+        feeds |= {"lengths": np.full(batch, seq, np.int64),
                   "temperature": np.arange(batch, dtype=np.float32) % 2,
                   "top_k": np.zeros(batch, np.int64), "top_p": np.ones(batch, np.float32),
                   "uniforms": rng.random((batch, manifest.mtp), dtype=np.float32)}
-    return feeds
+    sizes = {"batch": batch, "seq": seq}
+    for spec in manifest.graphs[graph].inputs:
+        if spec.name not in feeds:
+            shape = tuple(sizes.get(d, d) if isinstance(d, str) else d for d in spec.shape)
+            feeds[spec.name] = rng.integers(0, cfg.vocab_size, shape) if spec.dtype == "int64" else \
+                rng.standard_normal(shape).astype(np.float32)
+    return {spec.name: feeds[spec.name] for spec in manifest.graphs[graph].inputs}
 
 
 def compare_with_onnxruntime(manifest: EngineManifest, reference: Path, runner: Callable[[str], Any], atol: float

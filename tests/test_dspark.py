@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from v4engine.builder.build import BuildOptions, build
 from v4engine.builder.load import load_dspark, load_model
 from v4engine.builder.model import ModelState
 from v4engine.builder.model.drafting import draft_token
@@ -253,6 +254,22 @@ def test_accepted_counts_equal_a_full_recompute_of_the_drafters_definition(dspar
     assert got.metrics["accepted_per_step"][: len(counts) - 1] == counts[:-1]
     assert got.token_ids == tokens[len(prompt):][:30]
     assert 0 < sum(counts) < k * len(counts)
+
+
+def test_pipeline_stages_hand_the_captured_rows_on_and_give_the_same_tokens_and_acceptance(dspark_engine, tmp_path):
+    """The tiny model's captured layers 1-3 cut by two stages: the first returns what it captured of layer 1, the
+    second takes it (`captured_in`) and returns all three rows beside the drafter."""
+    checkpoint, engine = dspark_engine
+    staged = build(BuildOptions(checkpoint=checkpoint, output=tmp_path / "staged", mtp=7, pipeline_stages=2,
+                                progress=False))
+    first, last = (staged.graphs[name] for name in staged.stage_graphs)
+    assert "captured" in [o.name for o in first.outputs] and "captured_in" in [i.name for i in last.inputs]
+    prompts, params = [[5, 17, 99, 3, 42, 8, 61], list(range(20, 50))], SamplingParams(max_new_tokens=30,
+                                                                                      ignore_eos=True)
+    want = Generator.from_engine_dir(engine, mtp=5).generate(prompts, params)
+    got = Generator.from_engine_dir(tmp_path / "staged", mtp=5).generate(prompts, params)
+    assert [(r.token_ids, r.metrics["accepted_per_step"]) for r in got] == \
+        [(r.token_ids, r.metrics["accepted_per_step"]) for r in want]
 
 
 def test_the_engine_names_its_drafter_and_reports_confidence(dspark_engine):

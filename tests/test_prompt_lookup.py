@@ -62,7 +62,7 @@ def test_an_engine_built_without_a_draft_graph_drafts_with_prompt_lookup(tiny_en
 
 def test_refused_in_one_line(trained_engine, tiny_engine):
     _, plain = tiny_engine("mixed", mtp=0)
-    with pytest.raises(RequestError, match="drafter must be one of mtp, prompt_lookup"):
+    with pytest.raises(RequestError, match="drafter must be one of mtp, dspark, prompt_lookup"):
         Generator.from_engine_dir(trained_engine, drafter="eagle")
     with pytest.raises(RequestError, match="has no mtp draft graph"):
         Generator.from_engine_dir(plain, drafter="mtp")

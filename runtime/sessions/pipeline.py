@@ -2,7 +2,7 @@
 
 Each stage is a session of its own on its own device. A call feeds every stage the call's tokens, positions, slots,
 block table and its own layers' pools, runs the stages in order, and hands each stage's output streams (`hidden`)
-to the next as `hidden_in`: on the device, moved device to device, where both stages keep torch tensors (the
+to the next as `hidden_in` (and, for DSpark, the rows captured so far, `captured` as `captured_in`): on the device, moved device to device, where both stages keep torch tensors (the
 stages before the last leave `hidden` on their device); through the host otherwise. The outputs are the last
 stage's logits and streams and every stage's new rows, exactly what the single target graph returns.
 
@@ -20,11 +20,13 @@ from typing import Any
 import numpy as np
 
 from v4engine.contract.errors import V4EngineError
-from v4engine.contract.layout import NEW_PREFIX, STAGE_INPUT, STREAMS, TensorSpec
+from v4engine.contract.layout import CAPTURED, CAPTURED_IN, NEW_PREFIX, STAGE_INPUT, STREAMS, TensorSpec
 
 from ..pool_arrays import to_numpy
 from . import EngineSession
 
+# a stage's inputs that are the previous stage's outputs: its streams, and the rows a drafter captures (DSpark)
+HANDED_ON = {STAGE_INPUT: STREAMS, CAPTURED_IN: CAPTURED}
 
 
 class PipelineSession(EngineSession):
@@ -32,7 +34,7 @@ class PipelineSession(EngineSession):
 
     def __init__(self, stages: list[EngineSession], microbatches: int = 1):
         self.stages, self.microbatches = stages, max(1, microbatches)
-        names = dict.fromkeys(spec.name for stage in stages for spec in stage.inputs if spec.name != STAGE_INPUT)
+        names = dict.fromkeys(spec.name for stage in stages for spec in stage.inputs if spec.name not in HANDED_ON)
         specs = {spec.name: spec for stage in stages for spec in stage.inputs}
         self.inputs = tuple(specs[name] for name in names)
         last = stages[-1].outputs
@@ -41,8 +43,8 @@ class PipelineSession(EngineSession):
         self._device_of = {spec.name: stage.pool_device for stage in stages for spec in stage.inputs
                            if spec.name.startswith("pool.")}
         self.pool_device, self.pool_shape = stages[-1].pool_device, _pool_shape(stages)
-        for stage in stages[:-1]:           # streams stay where the next stage can take them without the host
-            stage.keep_on_device = frozenset({STREAMS})
+        for stage in stages[:-1]:           # what the next stage takes stays where it can without the host
+            stage.keep_on_device = frozenset(HANDED_ON.values())
         self._workers = [ThreadPoolExecutor(1, thread_name_prefix=f"v4-stage{i}") for i in range(len(stages))] \
             if self.microbatches > 1 else []
 
@@ -81,9 +83,10 @@ class PipelineSession(EngineSession):
     def _stage(self, i: int, feeds: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
         """Stage i's call after the stages before it (`before`: their outputs so far): those outputs with its own."""
         stage = self.stages[i]
-        mine = {spec.name: feeds[spec.name] for spec in stage.inputs if spec.name != STAGE_INPUT}
-        if i > 0:
-            mine[STAGE_INPUT] = _moved(before.pop(STREAMS), stage.pool_device)
+        mine = {spec.name: feeds[spec.name] for spec in stage.inputs if spec.name not in HANDED_ON}
+        for spec in stage.inputs:
+            if spec.name in HANDED_ON:
+                mine[spec.name] = _moved(before.pop(HANDED_ON[spec.name]), stage.pool_device)
         return before | stage.run(mine)
 
 

@@ -40,7 +40,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--mtp", type=int, default=None, help="draft tokens per step, 0 (no drafting) to what the drafter "
                    "makes on this engine (its own draft graph: the k it was built with); default: the engine's k "
                    "(prompt_lookup on an engine built --mtp 0: 3)")
-    p.add_argument("--draft-sample-method", choices=list(DRAFT_SAMPLE_METHODS), default="probabilistic",
+    p.add_argument("--draft-sample-method", choices=list(DRAFT_SAMPLE_METHODS), default=None,
                    help="when sampling (--temperature > 0), how a draft graph (MTP, DSpark) draws its drafts: "
                    "probabilistic, from its own distribution at the request's settings (default), or greedy, its "
                    "argmax; either way the output follows the target's distribution exactly")

@@ -28,7 +28,7 @@ from .budget import Limits
 from .detokenize import IncrementalDetokenizer, final_text
 from .drafters import DRAFTERS, Drafter
 from .metrics import RequestMetrics
-from .sampling import RequestError, SamplingParams, is_integer
+from .sampling import DRAFT_SAMPLE_METHODS, RequestError, SamplingParams, is_integer
 from .scheduler import Request, Scheduler
 from .sessions import EngineSession, open_session, open_target
 
@@ -107,7 +107,8 @@ class Generator:
     def from_engine_dir(cls, path: str | Path, *, drafter: str | None = None, mtp: int | None = None,
                         limits: Limits | None = None, prefix_cache: bool = True,
                         devices: Sequence[int] | None = None, microbatches: int | None = None,
-                        own_process: bool = False, backend_options: Mapping[str, Any] | None = None) -> "Generator":
+                        own_process: bool = False, backend_options: Mapping[str, Any] | None = None,
+                        draft_sample_method: str = "probabilistic") -> "Generator":
         """Open an engine directory.
 
         drafter: the drafting method (runtime/drafters/ DRAFTERS: by default the engine's own draft graph's;
@@ -125,8 +126,12 @@ class Generator:
         backend may take process-wide resources (ONNX Runtime: one spinning thread pool for all its sessions,
         which changes every later ONNX Runtime session of the process). backend_options: the options of the
         engine's backend (contract/backend_options.py; ONNX Runtime: providers, threads, device_pools,
-        cuda_graphs); one it does not take is refused in one line."""
+        cuda_graphs); one it does not take is refused in one line. draft_sample_method: how a draft graph draws
+        the drafts of sampling requests that name none ("probabilistic", or "greedy": vLLM's option)."""
         path = Path(path)
+        if draft_sample_method not in DRAFT_SAMPLE_METHODS:
+            raise RequestError(f"draft_sample_method must be one of {', '.join(DRAFT_SAMPLE_METHODS)} "
+                               f"(got {reprlib.repr(draft_sample_method)})")
         manifest = EngineManifest.read(path)
         backend = BACKENDS[manifest.backend]
         options = backend.session_options.read(backend_options, manifest.backend, RequestError)
@@ -148,6 +153,8 @@ class Generator:
                                 alternating=alternating)
 
         drafts = method.open(manifest, mtp, limits.max_prefill_chunk, open_graph) if mtp else None
+        if drafts is not None:
+            drafts.sample_method = draft_sample_method
         scheduler = Scheduler(manifest, target, drafts, limits.max_batch, limits.max_seq_len,
                               max_cache_bytes=limits.max_cache_bytes, max_prefill_chunk=limits.max_prefill_chunk,
                               prefix_cache=prefix_cache)

@@ -67,8 +67,9 @@ class SamplingParams:
     ignore_eos        a bool: do not stop at the end-of-sequence token
     num_draft_tokens  None (the scheduler's mtp) or an integer from 0 to it (checked by the scheduler)
     draft_sample_method  how a drafter with a graph draws its drafts when the request samples: "probabilistic"
-                      (default: from the draft model's distribution at the request's settings) or "greedy" (its
-                      argmax, a one-hot distribution; vLLM's option of the same name). Acceptance is lossless either way
+                      (from the draft model's distribution at the request's settings) or "greedy" (its argmax, a
+                      one-hot distribution; vLLM's option of the same name); None: the Generator's default
+                      (probabilistic unless opened with another). Acceptance is lossless either way
 
     Refused: inf or NaN anywhere, bools for numbers, numbers given as text, a single string for `stop`.
     """
@@ -82,7 +83,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     num_draft_tokens: int | None = None
-    draft_sample_method: str = "probabilistic"
+    draft_sample_method: str | None = None
 
     def validate(self) -> None:
         if not is_integer(self.max_new_tokens) or self.max_new_tokens <= 0:
@@ -103,7 +104,7 @@ class SamplingParams:
                 raise RequestError(f"stop_token_ids[{i}] must be a token id (got {reprlib.repr(t)})")
         if not isinstance(self.ignore_eos, (bool, np.bool_)):
             raise RequestError(f"ignore_eos must be true or false (got {reprlib.repr(self.ignore_eos)})")
-        if self.draft_sample_method not in DRAFT_SAMPLE_METHODS:
+        if self.draft_sample_method is not None and self.draft_sample_method not in DRAFT_SAMPLE_METHODS:
             raise RequestError(f"draft_sample_method must be one of {', '.join(DRAFT_SAMPLE_METHODS)} "
                                f"(got {reprlib.repr(self.draft_sample_method)})")
 

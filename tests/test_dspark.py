@@ -25,7 +25,7 @@ from v4engine.contract.errors import ConfigError
 from v4engine.runtime.cache import CachePool, SequenceCache
 from v4engine.runtime.generator import Generator
 from v4engine.runtime.pool_arrays import HostArrays
-from v4engine.runtime.sampling import SamplingParams
+from v4engine.runtime.sampling import RequestError, SamplingParams
 from v4engine.runtime.sessions import open_session
 
 TOL = 1e-4
@@ -281,3 +281,18 @@ def test_the_engine_names_its_drafter_and_reports_confidence(dspark_engine):
                                                                                              ignore_eos=True))[0]
     confidence = result.metrics["mean_confidence"]
     assert len(confidence) == 5 and all(0 < c < 1 for c in confidence)
+
+
+def test_greedy_drafting_is_chosen_per_request_or_per_generator(dspark_engine):
+    _, engine = dspark_engine
+    sampled = dict(max_new_tokens=24, ignore_eos=True, temperature=1.0, seed=7)
+    per_request = Generator.from_engine_dir(engine, mtp=5).generate(
+        [[5, 17, 99]], SamplingParams(**sampled, draft_sample_method="greedy"))[0]
+    per_generator = Generator.from_engine_dir(engine, mtp=5, draft_sample_method="greedy").generate(
+        [[5, 17, 99]], SamplingParams(**sampled))[0]
+    assert (per_request.token_ids, per_request.metrics["accepted_per_step"]) == \
+        (per_generator.token_ids, per_generator.metrics["accepted_per_step"])
+    with pytest.raises(RequestError, match="draft_sample_method must be one of probabilistic, greedy"):
+        Generator.from_engine_dir(engine, draft_sample_method="typical")
+    with pytest.raises(RequestError, match="draft_sample_method must be one of"):
+        SamplingParams(draft_sample_method="block").validate()

@@ -83,6 +83,7 @@ class Drafter(ABC):
 
     def __init__(self, k: int):
         self.k = k
+        self.sample_method = "probabilistic"     # how sampling requests that name none draw their drafts
         self.pools: dict[str, CachePool] = {}
         self.calls = EngineCalls()
         self.snapshots = False

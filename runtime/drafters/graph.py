@@ -147,7 +147,8 @@ class GraphDrafter(Drafter):
             if draws and not r.params.greedy:
                 uniforms[b, : r.num_draft_tokens] = r.rng.random(r.num_draft_tokens)
         params = [r.params for r in requests]
-        temperature = [0.0 if p.draft_sample_method == "greedy" else p.temperature for p in params]
+        temperature = [0.0 if (p.draft_sample_method or self.sample_method) == "greedy" else p.temperature
+                       for p in params]
         lengths = [len(p) for p in parts]
         feeds = {"positions": np.array([r.draft_state.cache.length for r in requests])[:, None] + np.arange(S),  # [B,S]
                  "lengths": np.array(lengths, np.int64),                                                         # [B]

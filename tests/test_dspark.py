@@ -10,10 +10,11 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import onnx
 import pytest
 import torch
 
-from v4engine.builder.build import BuildOptions, build
+from v4engine.builder.build import BuildOptions, build, control_flow
 from v4engine.builder.load import load_dspark, load_model
 from v4engine.builder.model import ModelState
 from v4engine.builder.model.drafting import draft_token
@@ -22,6 +23,7 @@ from v4engine.builder.release import RELEASES, release_tensors
 from v4engine.contract.config import V4Config
 from v4engine.contract.engine import EngineManifest
 from v4engine.contract.errors import ConfigError
+from v4engine.plugins import DOMAIN
 from v4engine.runtime.cache import CachePool, SequenceCache
 from v4engine.runtime.generator import Generator
 from v4engine.runtime.pool_arrays import HostArrays
@@ -296,3 +298,21 @@ def test_greedy_drafting_is_chosen_per_request_or_per_generator(dspark_engine):
         Generator.from_engine_dir(engine, draft_sample_method="typical")
     with pytest.raises(RequestError, match="draft_sample_method must be one of"):
         SamplingParams(draft_sample_method="block").validate()
+
+
+def test_the_dspark_engine_for_tensorrt_its_cuda_graphs_form_and_migraphx(dspark_engine, tmp_path):
+    """The same draft graph prepared for each backend (the exports are shared with the ONNX Runtime engine's):
+    TensorRT's routed experts as v4 plugin nodes with the draft's extend and cycle profiles, its --cuda-graphs form
+    without control flow, and MIGraphX's variant within its allowlist (a build checks it)."""
+    checkpoint, _ = dspark_engine
+    common = dict(checkpoint=checkpoint, mtp=7, progress=False)
+    trt = build(BuildOptions(output=tmp_path / "trt", backend="tensorrt", backend_options={"onnx_only": True},
+                             **common))
+    draft = onnx.load(str(tmp_path / "trt" / "draft.onnx"), load_external_data=False)
+    assert any(n.op_type.endswith("RoutedExperts") and n.domain == DOMAIN for n in draft.graph.node)
+    assert {p.name for p in trt.compiled.profiles["draft"]} == {"extend", "cycle"}
+    build(BuildOptions(output=tmp_path / "graphs", backend="tensorrt", backend_options={"onnx_only": True,
+                                                                                         "cuda_graphs": True}, **common))
+    assert not control_flow(onnx.load(str(tmp_path / "graphs" / "draft.onnx"), load_external_data=False))
+    mgx = build(BuildOptions(output=tmp_path / "mgx", backend="migraphx", **common))
+    assert mgx.drafter == "dspark" and (tmp_path / "mgx" / "draft.onnx").is_file()

@@ -22,10 +22,8 @@ from .graph import GraphDrafter
 
 
 class DSparkDrafter(GraphDrafter):
-    method = DSPARK.method
     spec = DSPARK
     source = CAPTURED
-    reads = (CAPTURED,)
 
     @property
     def source_width(self) -> int:

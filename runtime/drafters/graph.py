@@ -44,6 +44,12 @@ class GraphDrafter(Drafter):
 
     spec: DraftSpec
     has_graph = True
+    source: str                                  # the target output it reads at every committed position
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A method's name and what it reads follow from its spec and source."""
+        super().__init_subclass__(**kwargs)
+        cls.method, cls.reads = cls.spec.method, (cls.source,)
 
     @classmethod
     def most_tokens(cls, manifest: EngineManifest, max_prefill_chunk: int) -> int:
@@ -61,8 +67,6 @@ class GraphDrafter(Drafter):
         self.graph_k = manifest.mtp                  # drafts per call of the graph (a request keeps its first k)
         self.parts = {self.spec.graph: manifest.caches[self.spec.graph]}
         self.dtype = NUMPY_DTYPES[manifest.dtype]     # of the source rows: what the target returns
-
-    source: str                                  # the target output it reads at every committed position
 
     @property
     @abstractmethod

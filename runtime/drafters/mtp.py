@@ -19,10 +19,8 @@ from .graph import GraphDrafter
 
 
 class MtpDrafter(GraphDrafter):
-    method = MTP.method
     spec = MTP
     source = STREAMS
-    reads = (STREAMS,)
 
     @property
     def source_width(self) -> int:

@@ -82,7 +82,8 @@ def _triton_repo(args: argparse.Namespace) -> None:
     gpus = gpu_list(args.gpus, "--gpus") if args.gpus is not None else []
     out = render(args.engine_dir, args.out, gpu=args.gpu, max_batch=args.max_batch,
                  max_queue_size=args.max_queue_size, instance_count=args.instance_count, gpus=gpus,
-                 drafter=args.drafter, mtp=args.mtp, force=args.force)
+                 drafter=args.drafter, mtp=args.mtp, force=args.force,
+                 confidence_scheduling={"auto": None, "on": True, "off": False}[args.confidence_scheduling])
     where = f"GPUs {args.gpus}" if gpus else "GPU" if args.gpu else "CPU"
     print(f"wrote the Triton model repository for {args.engine_dir} to {out} "
           f"({where}): preprocessing, v4_generate, postprocessing, ensemble")
@@ -260,6 +261,9 @@ def tools_parser() -> argparse.ArgumentParser:
                    "context, on any engine")
     r.add_argument("--mtp", type=int, default=None, help="draft tokens per step (default: the engine's k; "
                    "prompt_lookup on an engine built --mtp 0: 3)")
+    r.add_argument("--confidence-scheduling", choices=["auto", "on", "off"], default="auto", help="v4_generate "
+                   "verifies only the drafts that pay and skips draft cycles that do not (needs DSpark's confidence "
+                   "head); auto (default): on for DSpark, off otherwise")
     r.add_argument("--force", action="store_true", help="replace OUT if it is a model repository")
     r.set_defaults(run=_triton_repo)
     return p

@@ -199,8 +199,10 @@ def stored_form(name: str, is_integer: bool, quantize: str | None) -> str:
     return "dtype"
 
 
-def _tensors(model: nn.Module, dtype: torch.dtype, quantize: str | None, scale_suffix: str
-             ) -> dict[str, torch.Tensor]:
+def stored_tensors(model: nn.Module, dtype: torch.dtype, quantize: str | None, scale_suffix: str = "scale"
+                   ) -> dict[str, torch.Tensor]:
+    """`model`'s tensors as a checkpoint stores them: each in its stored form (stored_form), FP8 and MXFP4 with
+    their scales (`scale_suffix`: "scale", official, or transformers' "weight_scale_inv")."""
     out: dict[str, torch.Tensor] = {}
     for name, value in model.state_dict().items():
         value = value.detach().contiguous()
@@ -273,9 +275,9 @@ def save_checkpoint(model: Transformer, raw: dict[str, Any], out: str | Path, qu
     written as given."""
     raw = dict(raw, torch_dtype=dtype)
     scale_suffix = "scale" if names == "official" else "weight_scale_inv"
-    tensors = _tensors(model, getattr(torch, dtype), quantize, scale_suffix)
+    tensors = stored_tensors(model, getattr(torch, dtype), quantize, scale_suffix)
     if draft is not None:
-        tensors |= {k: v for k, v in _tensors(draft, getattr(torch, dtype), quantize, scale_suffix).items()
+        tensors |= {k: v for k, v in stored_tensors(draft, getattr(torch, dtype), quantize, scale_suffix).items()
                     if k.startswith("mtp.")}
     if not mtp:
         tensors = {k: v for k, v in tensors.items() if not k.startswith("mtp.")}
@@ -347,5 +349,5 @@ def shard_groups(names: list[str], shards: int) -> list[list[str]]:
     return [g for g in groups if g]
 
 
-__all__ = ["DRAFTERS", "dspark_config", "random_dspark", "TINY_CONFIGS", "WIDE_CONFIGS", "CONFIGS", "make_tiny", "save_checkpoint", "random_model", "official_to_hf_name", "hf_config",
+__all__ = ["DRAFTERS", "dspark_config", "random_dspark", "TINY_CONFIGS", "WIDE_CONFIGS", "CONFIGS", "make_tiny", "save_checkpoint", "stored_tensors", "random_model", "official_to_hf_name", "hf_config",
            "stored_form", "shard_groups", "write_checkpoint_folder"]

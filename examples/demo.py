@@ -1,10 +1,11 @@
-"""`make demo`: build the shipped tiny V4 with --mtp 3, complete a Python prompt, and show acceptance.
+"""`make demo`: build the shipped tiny V4 with each of its drafters, complete a Python prompt, and show acceptance.
 
 examples/tiny-v4 is a small DeepSeek-V4 with its MTP layer, trained on the Python standard library by
-examples/train_tiny.py (see its README). The demo checks the checkpoint, builds it for the CPU default
-(ONNX Runtime) into demo-out/, completes a fixed Python prompt greedily with MTP = 3 and prints the
-acceptance table. It also shows that MTP is lossless: the same prompt without drafting gives the same tokens,
-and how fast each is.
+examples/train_tiny.py; examples/tiny-v4-dspark is the same target with the drafter the current V4 releases ship,
+DSpark, trained by examples/train_dspark.py (see their READMEs). The demo checks both checkpoints, builds them for
+the CPU default (ONNX Runtime) into demo-out/ (MTP with --mtp 3, DSpark with --mtp 5), completes a fixed Python
+prompt greedily with MTP 0 (no drafting), MTP 3 and DSpark 5, shows that each drafter is lossless (the same
+tokens as no drafting), how fast each is, and their acceptance tables.
 """
 from __future__ import annotations
 
@@ -19,50 +20,70 @@ from v4engine.runtime.generator import GenerationResult, Generator
 from v4engine.runtime.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
-CHECKPOINT = ROOT / "examples" / "tiny-v4"
-ENGINE = ROOT / "demo-out" / "tiny-v4-engine"
 PROMPT = 'import os\n\n\ndef read_file(path):\n    """Return the contents of the file at path."""'
 SAMPLING = SamplingParams(max_new_tokens=60, ignore_eos=True)
 ROUNDS = 3
+# system: (checkpoint, engine built with --mtp, draft tokens per step)
+SYSTEMS = {"MTP 0": ("tiny-v4", 3, 0), "MTP 3": ("tiny-v4", 3, 3), "DSpark 5": ("tiny-v4-dspark", 5, 5)}
 
 
-def engine_is_current() -> bool:
+def engine_is_current(checkpoint: Path, engine: Path) -> bool:
     """An engine already built from this very checkpoint (same fingerprint), in this runtime's format, is reused."""
-    manifest = ENGINE / "engine.json"
+    manifest = engine / "engine.json"
     if not manifest.exists():
         return False
     written = json.loads(manifest.read_text())
     return (written.get("format_version") == FORMAT_VERSION
-            and written.get("checkpoint", {}).get("fingerprint") == Checkpoint.open(CHECKPOINT).fingerprint())
+            and written.get("checkpoint", {}).get("fingerprint") == Checkpoint.open(checkpoint).fingerprint())
+
+
+def built(name: str, mtp: int) -> Path | None:
+    """examples/NAME checked and built with --mtp `mtp` into demo-out/ (reused when current); None if that failed."""
+    checkpoint, engine = ROOT / "examples" / name, ROOT / "demo-out" / f"{name}-engine"
+    if v4build(["check", "--checkpoint", str(checkpoint), "--mtp", str(mtp)]):
+        return None
+    engine.parent.mkdir(exist_ok=True)
+    if not engine_is_current(checkpoint, engine) and v4build(["--checkpoint", str(checkpoint), "--mtp", str(mtp),
+                                                              "--output", str(engine), "--force"]):
+        return None
+    return engine
 
 
 def main() -> int:
-    if v4build(["check", "--checkpoint", str(CHECKPOINT), "--mtp", "3"]):
+    engines = {name: built(name, mtp) for name, mtp, _ in SYSTEMS.values()}
+    if None in engines.values():
         return 1
-    ENGINE.parent.mkdir(exist_ok=True)
-    if not engine_is_current() and v4build(["--checkpoint", str(CHECKPOINT), "--mtp", "3", "--output", str(ENGINE),
-                                            "--force"]):
-        return 1
-    results: dict[int, GenerationResult] = {}
     # the demo is a process of its own: target and draft take turns on one ONNX Runtime pool. Every round runs the
     # same prompt, whose prefill the prefix cache would skip after the first: off, so each round does the same work
-    generators = {mtp: Generator.from_engine_dir(ENGINE, mtp=mtp, own_process=True, prefix_cache=False)
-                  for mtp in (0, 3)}
-    speed: dict[int, float] = {0: 0.0, 3: 0.0}
-    for _ in range(ROUNDS):                     # interleaved, best of ROUNDS: machine noise hits both alike
-        for mtp, generator in generators.items():
-            [results[mtp]] = generator.generate([PROMPT], SAMPLING)
-            speed[mtp] = max(speed[mtp], results[mtp].metrics["tokens_per_second"])
-    result, plain = results[3], results[0]
-    print("\n---- prompt + completion (greedy, MTP = 3) " + "-" * 36)
-    print(PROMPT + ("\033[1m" + result.text + "\033[0m" if sys.stdout.isatty() else result.text))
+    generators = {system: Generator.from_engine_dir(engines[name], mtp=k, own_process=True, prefix_cache=False)
+                  for system, (name, _, k) in SYSTEMS.items()}
+    results: dict[str, GenerationResult] = {}
+    speed = dict.fromkeys(SYSTEMS, 0.0)
+    for _ in range(ROUNDS):                     # interleaved, best of ROUNDS: machine noise hits all alike
+        for system, generator in generators.items():
+            [results[system]] = generator.generate([PROMPT], SAMPLING)
+            speed[system] = max(speed[system], results[system].metrics["tokens_per_second"])
+    plain = results["MTP 0"]
+    print("\n---- prompt + completion (greedy, DSpark 5) " + "-" * 36)
+    text = results["DSpark 5"].text
+    print(PROMPT + ("\033[1m" + text + "\033[0m" if sys.stdout.isatty() else text))
     print("-" * 80)
-    print(f"lossless: greedy with MTP = 3 {'equals' if result.token_ids == plain.token_ids else 'DIFFERS FROM'} "
-          "greedy without drafting")
-    print(f"speed ({SAMPLING.max_new_tokens} tokens, batch 1, best of {ROUNDS}): MTP 0 {speed[0]:.0f} tokens/s, "
-          f"MTP 3 {speed[3]:.0f} tokens/s ({speed[3] / speed[0]:.2f}x)\n")
-    print(generators[3].totals.table())
-    return 0 if result.token_ids == plain.token_ids else 1
+    print(f"\n{SAMPLING.max_new_tokens} tokens, batch 1, greedy, best of {ROUNDS} rounds:\n")
+    print("| system | tokens/s | vs MTP 0 | mean acceptance length | per position | lossless |")
+    print("|---|---|---|---|---|---|")
+    lossless = True
+    for system, result in results.items():
+        same = result.token_ids == plain.token_ids
+        lossless &= same
+        m = generators[system].totals
+        drafted = system != "MTP 0"
+        print(f"| {system} | {speed[system]:.0f} | {speed[system] / speed['MTP 0']:.2f}x | "
+              f"{f'{m.mean_acceptance_length:.2f}' if drafted else '-'} | "
+              f"{' / '.join(f'{a:.2f}' for a in m.per_position_acceptance) if drafted else '-'} | "
+              f"{('same tokens as MTP 0' if same else 'DIFFERS FROM MTP 0') if drafted else '-'} |")
+    for system in ("MTP 3", "DSpark 5"):
+        print(f"\n{system}:\n" + generators[system].totals.table())
+    return 0 if lossless else 1
 
 
 if __name__ == "__main__":

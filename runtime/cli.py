@@ -1,7 +1,8 @@
 """The `v4generate` command line: generate from an engine directory with speculative decoding.
 
     v4generate ENGINE_DIR --prompt TEXT | --prompt-ids 1,2,3 [--max-new-tokens N] [--temperature T]
-               [--top-p P] [--top-k K] [--seed S] [--drafter NAME] [--mtp K] [--devices 0,1] [--stream] [--json]
+               [--top-p P] [--top-k K] [--seed S] [--drafter NAME] [--mtp K]
+               [--confidence-scheduling auto|on|off] [--devices 0,1] [--stream] [--json]
 """
 from __future__ import annotations
 
@@ -44,6 +45,11 @@ def parser() -> argparse.ArgumentParser:
                    help="when sampling (--temperature > 0), how a draft graph (MTP, DSpark) draws its drafts: "
                    "probabilistic, from its own distribution at the request's settings (default), or greedy, its "
                    "argmax; either way the output follows the target's distribution exactly")
+    p.add_argument("--confidence-scheduling", choices=["auto", "on", "off"], default="auto",
+                   help="verify only the drafts whose predicted survival pays for their verify cost, and skip draft "
+                   "cycles that do not pay (needs a drafter with a confidence head: DSpark); costs are profiled on "
+                   "this machine the first time an engine is opened with these options (a few seconds) and recorded; auto "
+                   "(default): on for DSpark, off otherwise. The tokens are the same either way")
     p.add_argument("--devices", default=None, help="GPU of each pipeline stage, comma-separated, e.g. 0,1 for an engine "
                    "built with --pipeline-stages 2 (one per stage; the draft runs on the last stage's); default: every "
                    "stage where the backend runs by default (the CPU for ONNX Runtime)")
@@ -80,8 +86,9 @@ def run(args: argparse.Namespace) -> int:
         except ValueError:
             raise V4EngineError(f"--prompt-ids must be comma-separated integers (got {args.prompt_ids!r})") from None
     devices = gpu_list(args.devices, "--devices") if args.devices is not None else None
+    scheduling = {"auto": None, "on": True, "off": False}[args.confidence_scheduling]
     generator = Generator.from_engine_dir(args.engine_dir, mtp=args.mtp, drafter=args.drafter, devices=devices,
-                                          own_process=True)
+                                          own_process=True, confidence_scheduling=scheduling)
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
                               draft_sample_method=args.draft_sample_method)

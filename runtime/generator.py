@@ -31,6 +31,7 @@ from .metrics import RequestMetrics
 from .sampling import DRAFT_SAMPLE_METHODS, RequestError, SamplingParams, is_integer
 from .scheduler import Request, Scheduler
 from .sessions import EngineSession, open_session, open_target
+from .verify_schedule import VerifyPlanner, profile_key, profile_step_costs, recorded_costs
 
 Prompt = str | Sequence[int]
 TOKENIZER = "tokenizer.json"
@@ -108,7 +109,8 @@ class Generator:
                         limits: Limits | None = None, prefix_cache: bool = True,
                         devices: Sequence[int] | None = None, microbatches: int | None = None,
                         own_process: bool = False, backend_options: Mapping[str, Any] | None = None,
-                        draft_sample_method: str = "probabilistic") -> "Generator":
+                        draft_sample_method: str = "probabilistic", confidence_scheduling: bool | None = None,
+                        step_costs: str | Path | None = None) -> "Generator":
         """Open an engine directory.
 
         drafter: the drafting method (runtime/drafters/ DRAFTERS: by default the engine's own draft graph's;
@@ -127,11 +129,20 @@ class Generator:
         which changes every later ONNX Runtime session of the process). backend_options: the options of the
         engine's backend (contract/backend_options.py; ONNX Runtime: providers, threads, device_pools,
         cuda_graphs); one it does not take is refused in one line. draft_sample_method: how a draft graph draws
-        the drafts of sampling requests that name none ("probabilistic", or "greedy": vLLM's option)."""
+        the drafts of sampling requests that name none ("probabilistic", or "greedy": vLLM's option).
+        confidence_scheduling: verify only the drafts that pay, and draft only when it pays
+        (runtime/verify_schedule.py), from costs profiled on this machine the first time an engine is opened with
+        these options (a few seconds) and recorded in `step_costs` (a folder; default
+        $V4ENGINE_CACHE_DIR/step-costs or ~/.cache/v4engine/step-costs); default on for a drafter whose drafts
+        carry a confidence (DSpark), which it needs. Greedy tokens are the same either way; sampled ones follow the
+        target's distribution either way."""
         path = Path(path)
         if draft_sample_method not in DRAFT_SAMPLE_METHODS:
             raise RequestError(f"draft_sample_method must be one of {', '.join(DRAFT_SAMPLE_METHODS)} "
                                f"(got {reprlib.repr(draft_sample_method)})")
+        if confidence_scheduling not in (None, True, False):
+            raise RequestError(f"confidence_scheduling must be true, false or None (got "
+                               f"{reprlib.repr(confidence_scheduling)})")
         manifest = EngineManifest.read(path)
         backend = BACKENDS[manifest.backend]
         options = backend.session_options.read(backend_options, manifest.backend, RequestError)
@@ -158,6 +169,14 @@ class Generator:
         scheduler = Scheduler(manifest, target, drafts, limits.max_batch, limits.max_seq_len,
                               max_cache_bytes=limits.max_cache_bytes, max_prefill_chunk=limits.max_prefill_chunk,
                               prefix_cache=prefix_cache)
+        confident = drafts is not None and drafts.gives_confidence
+        if confidence_scheduling and not confident:
+            raise RequestError(f"confidence_scheduling needs drafts with a confidence (DSpark's); "
+                               f"{method.method if drafts is not None else 'no drafter'} gives none")
+        if confident and confidence_scheduling is not False:
+            costs = recorded_costs(profile_key(path, (options, devices, microbatches), scheduler), mtp + 1,
+                                   lambda: profile_step_costs(scheduler), Path(step_costs) if step_costs else None)
+            scheduler.planner = VerifyPlanner(costs) if costs is not None else None
         return cls(path, manifest, scheduler, load_tokenizer(path))
 
     # ------------------------------------------------------------------ prompts and requests

@@ -8,8 +8,9 @@ Caches live in paged pools (runtime/cache.py) sized once from a memory budget (r
    earlier one forks from its prefix, runtime/prefix_cache.py); then hold the blocks every running request needs
    for this step: when the pool runs out, unused prefix entries go first, then the most recently admitted
    requests are preempted (their caches freed; they wait at the front of the queue and recompute later, exactly);
-2. DRAFT for decoding requests: the drafter proposes up to k tokens each (runtime/drafters/: MTP's draft graph,
-   one engine call; prompt lookup, none), with the distributions they were drawn from;
+2. DRAFT for decoding requests: the drafter proposes up to k tokens each (runtime/drafters/: MTP's or DSpark's draft
+   graph, one engine call; prompt lookup, none), with the distributions they were drawn from; with confidence
+   scheduling (runtime/verify_schedule.py) only when drafting pays, and only the prefixes that pay are verified;
 3. one target call over every active row: the next prefill chunk, or VERIFY [t, d1..dk];
 4. COMMIT: prefill rows commit the chunk; verify rows accept j drafts + 1 token (greedy or lossless
    sampling) and commit j+1 positions; the drafter observes what was committed; stop conditions end requests,
@@ -23,7 +24,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -42,6 +43,9 @@ from .pool_arrays import NUMPY_DTYPES
 from .prefix_cache import PrefixCache, PrefixEntry
 from .sampling import RequestError, SamplingParams, accept_greedy, accept_sampled, distribution, draw, is_integer
 from .sessions import EngineSession
+
+if TYPE_CHECKING:
+    from .verify_schedule import VerifyPlanner
 
 
 class CapacityError(RequestError):
@@ -70,6 +74,7 @@ class Request:
     target: SequenceCache | None = None
     draft_state: Any = None            # its drafter's state (runtime/drafters/), while it holds caches
     proposal: Proposal | None = None   # the drafts its next verify checks
+    survival: np.ndarray | None = None # its drafts' predicted survival at its last draft (runtime/verify_schedule.py)
     finish_reason: str | None = None   # "stop", "length", "cancelled", or "error" (a failed step: see `error`)
     error: BaseException | None = None
     arrival: float = field(default_factory=time.perf_counter)   # submitted: time to first token counts queueing
@@ -117,6 +122,7 @@ class Scheduler:
         self.prefix = PrefixCache(self.pools[TARGET], max(self.budget // 8, 2 * max_batch * snapshot)) \
             if prefix_cache else None
         self.calls = EngineCalls()
+        self.planner: VerifyPlanner | None = None     # confidence scheduling, when on: whether to draft, what to verify
         if drafter is not None:
             drafter.bind({part: self.pools[part] for part in parts}, self.calls, self.prefix is not None)
         self.waiting: list[Request] = []
@@ -239,7 +245,11 @@ class Scheduler:
         finished: list[Request] = []
         engine = 0.0
         if self.drafter is not None:
-            engine += self.drafter.propose([r for r in self.active if r.phase == Phase.DECODE and r.num_draft_tokens])
+            decoding = [r for r in self.active if r.phase == Phase.DECODE and r.num_draft_tokens]
+            if self.planner is None or self.planner.should_draft(decoding):
+                engine += self.drafter.propose(decoding)
+                if self.planner is not None:
+                    self.planner.trim(decoding)
         rows = [r for r in self.active if r.phase in (Phase.PREFILL, Phase.DECODE)]
         if rows:
             engine += self._target(rows, new_tokens)

@@ -38,6 +38,16 @@ def export_cache(run_folder) -> Path:
     return run_folder / "exports"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def step_costs(run_folder) -> Path:
+    """Confidence scheduling's cost profiles (runtime/verify_schedule.py) go to this run's folder, not the user's
+    cache: measured once per run for each engine and options, by whichever worker opens it first."""
+    from v4engine.runtime.verify_schedule import CACHE_DIR
+
+    os.environ[CACHE_DIR] = str(run_folder / "cache")
+    return run_folder / "cache" / "step-costs"
+
+
 @pytest.fixture(scope="session")
 def shared(run_folder) -> Callable[[str, Callable[[Path], object]], Path]:
     """shared(name, make) -> a folder made once per test run by make(folder), whichever xdist worker asks first;

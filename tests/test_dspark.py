@@ -217,13 +217,16 @@ def test_the_draft_graph_equals_our_pytorch_dspark_before_and_after_its_rings_fi
 
 
 # --------------------------------------------------------------------------- the runtime: lossless, by recompute
+EVERY_DRAFT = {"confidence_scheduling": False}     # every draft verified: the counts compare step by step
+
+
 def test_greedy_tokens_with_1_to_7_drafts_equal_no_drafting(dspark_engine):
     _, engine = dspark_engine
     prompts = [[5, 17, 99, 3, 42, 8, 61], list(range(20, 50)), [7]]
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     plain = [r.token_ids for r in Generator.from_engine_dir(engine, mtp=0).generate(prompts, params)]
     for n in range(1, 8):
-        generator = Generator.from_engine_dir(engine, mtp=n)
+        generator = Generator.from_engine_dir(engine, mtp=n, **EVERY_DRAFT)
         assert [r.token_ids for r in generator.generate(prompts, params)] == plain, f"N = {n}"
         assert 0 < generator.totals.accepted < generator.totals.drafted, "drafts both accepted and rejected"
 
@@ -235,7 +238,7 @@ def test_accepted_counts_equal_a_full_recompute_of_the_drafters_definition(dspar
     checkpoint, engine = dspark_engine
     target, dspark = load_model(checkpoint, mtp=False), load_dspark(checkpoint)
     k, prompt = 5, [5, 17, 99, 3, 42, 8, 61, 2, 9, 14, 33]
-    got = Generator.from_engine_dir(engine, mtp=k).generate([prompt], SamplingParams(max_new_tokens=30,
+    got = Generator.from_engine_dir(engine, mtp=k, **EVERY_DRAFT).generate([prompt], SamplingParams(max_new_tokens=30,
                                                                                       ignore_eos=True))[0]
 
     def run(tokens: list[int]):
@@ -268,8 +271,8 @@ def test_pipeline_stages_hand_the_captured_rows_on_and_give_the_same_tokens_and_
     assert "captured" in [o.name for o in first.outputs] and "captured_in" in [i.name for i in last.inputs]
     prompts, params = [[5, 17, 99, 3, 42, 8, 61], list(range(20, 50))], SamplingParams(max_new_tokens=30,
                                                                                       ignore_eos=True)
-    want = Generator.from_engine_dir(engine, mtp=5).generate(prompts, params)
-    got = Generator.from_engine_dir(tmp_path / "staged", mtp=5).generate(prompts, params)
+    want = Generator.from_engine_dir(engine, mtp=5, **EVERY_DRAFT).generate(prompts, params)
+    got = Generator.from_engine_dir(tmp_path / "staged", mtp=5, **EVERY_DRAFT).generate(prompts, params)
     assert [(r.token_ids, r.metrics["accepted_per_step"]) for r in got] == \
         [(r.token_ids, r.metrics["accepted_per_step"]) for r in want]
 
@@ -279,8 +282,8 @@ def test_the_engine_names_its_drafter_and_reports_confidence(dspark_engine):
     manifest = json.loads((engine / "engine.json").read_text())
     assert manifest["drafter"] == "dspark" and manifest["mtp"] == 7
     assert "captured" in [o["name"] for o in manifest["graphs"]["target"]["outputs"]]
-    result = Generator.from_engine_dir(engine, mtp=5).generate([[5, 17, 99]], SamplingParams(max_new_tokens=20,
-                                                                                             ignore_eos=True))[0]
+    generator = Generator.from_engine_dir(engine, mtp=5, **EVERY_DRAFT)
+    result = generator.generate([[5, 17, 99]], SamplingParams(max_new_tokens=20, ignore_eos=True))[0]
     confidence = result.metrics["mean_confidence"]
     assert len(confidence) == 5 and all(0 < c < 1 for c in confidence)
 
@@ -288,9 +291,10 @@ def test_the_engine_names_its_drafter_and_reports_confidence(dspark_engine):
 def test_greedy_drafting_is_chosen_per_request_or_per_generator(dspark_engine):
     _, engine = dspark_engine
     sampled = dict(max_new_tokens=24, ignore_eos=True, temperature=1.0, seed=7)
-    per_request = Generator.from_engine_dir(engine, mtp=5).generate(
+    per_request = Generator.from_engine_dir(engine, mtp=5, **EVERY_DRAFT).generate(
         [[5, 17, 99]], SamplingParams(**sampled, draft_sample_method="greedy"))[0]
-    per_generator = Generator.from_engine_dir(engine, mtp=5, draft_sample_method="greedy").generate(
+    per_generator = Generator.from_engine_dir(engine, mtp=5, draft_sample_method="greedy",
+                                             **EVERY_DRAFT).generate(
         [[5, 17, 99]], SamplingParams(**sampled))[0]
     assert (per_request.token_ids, per_request.metrics["accepted_per_step"]) == \
         (per_generator.token_ids, per_generator.metrics["accepted_per_step"])

@@ -12,6 +12,7 @@ from v4engine.builder.model import ModelState
 from v4engine.runtime.budget import Limits
 from v4engine.runtime.generator import Generator
 from v4engine.runtime.sampling import SamplingParams, accept_sampled, distribution
+from v4engine.runtime.verify_schedule import StepCosts, VerifyPlanner
 
 N = 3000
 SHAPE = dict(temperature=1.0, top_k=6)
@@ -36,13 +37,13 @@ def chi2_critical(df: int, z: float = 3.09) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-@pytest.mark.parametrize("drafter", ["mtp", "prompt_lookup", "dspark", "dspark-greedy-drafts"])
+@pytest.mark.parametrize("drafter", ["mtp", "prompt_lookup", "dspark", "dspark-greedy-drafts", "dspark-scheduled"])
 def test_first_two_sampled_tokens_follow_the_target_joint_distribution(tiny_engine, drafter):
     checkpoint, engine = tiny_engine("mixed", agree=0.05) if not drafter.startswith("dspark") else \
         tiny_engine("mixed", mtp=7, drafter="dspark", agree=0.1)
     model = load_model(checkpoint, mtp=False)
     prompt = [5, 17, 99, 3, 42, 8, 61]
-    options = {"mtp": 3}
+    options = {"mtp": 3, "confidence_scheduling": False} if drafter.startswith("dspark") else {"mtp": 3}
     drafts = {"draft_sample_method": "greedy"} if drafter == "dspark-greedy-drafts" else {}
     if drafter == "prompt_lookup":      # a prompt that repeats its n-grams: the target's own greedy cycle
         cycle = Generator.from_engine_dir(engine, mtp=0).generate([prompt[:3]], GREEDY_20)[0].token_ids
@@ -60,6 +61,8 @@ def test_first_two_sampled_tokens_follow_the_target_joint_distribution(tiny_engi
              if pb > 0}
 
     generator = Generator.from_engine_dir(engine, limits=Limits(max_batch=64), **options)
+    if drafter == "dspark-scheduled":       # widths that vary with the drafts' confidence (runtime/verify_schedule.py)
+        generator.scheduler.planner = VerifyPlanner(StepCosts((1,), (1e-4,), (tuple(1e-3 * w for w in range(1, 5)),)))
     results = generator.generate([prompt] * N, [SamplingParams(max_new_tokens=2, ignore_eos=True, seed=s, **SHAPE,
                                                               **drafts) for s in range(N)])
     observed: dict[tuple[int, int], int] = {}

@@ -124,7 +124,8 @@ def test_the_cli_renders_and_explains_every_flag(trained_engine, tmp_path, capsy
     with pytest.raises(SystemExit):
         v4build(["triton-repo", "--help"])
     help_text = capsys.readouterr().out
-    for flag in ("--gpu", "--gpus", "--max-batch", "--max-queue-size", "--instance-count", "--force"):
+    for flag in ("--gpu", "--gpus", "--max-batch", "--max-queue-size", "--instance-count", "--confidence-scheduling",
+                 "--force"):
         assert flag in help_text
 
 

@@ -52,14 +52,15 @@ class RenderError(V4EngineError):
 
 def render(engine_dir: str | Path, out: str | Path, *, gpu: bool = False, max_batch: int | None = None,
            max_queue_size: int = 32, instance_count: int = 1, gpus: Sequence[int] = (), drafter: str | None = None,
-           mtp: int | None = None, force: bool = False) -> Path:
+           mtp: int | None = None, confidence_scheduling: bool | None = None, force: bool = False) -> Path:
     """Write the model repository for `engine_dir` to `out` and return `out`.
 
     max_batch: requests generating together (default: the largest batch the engine was built for);
     max_queue_size: requests that may wait for a batch slot; beyond that a request is refused at once;
     instance_count: v4_generate instances, each with its own scheduler and engine sessions;
     gpus: the GPUs one instance spans, one per pipeline stage of the engine (v4build --pipeline-stages);
-    drafter, mtp: the drafting method and draft tokens per step (default: the engine's own drafter and k).
+    drafter, mtp: the drafting method and draft tokens per step (default: the engine's own drafter and k);
+    confidence_scheduling: verify only the drafts that pay (runtime/verify_schedule.py; default: on for DSpark).
     The repository is written to a temporary folder beside `out` and renamed at the end: a failure leaves
     nothing behind, and `force` replaces an existing `out` only then."""
     engine_dir, out = Path(engine_dir).resolve(), Path(out)
@@ -77,9 +78,13 @@ def render(engine_dir: str | Path, out: str | Path, *, gpu: bool = False, max_ba
     if gpus:
         gpus = check_devices(gpus, len(manifest.stages), str(engine_dir), RenderError)
     try:                                 # the model must open: checked here, not when Triton loads it
-        drafter_tokens(manifest, drafter, mtp, manifest.limits["max_prefill_chunk"], str(engine_dir))
+        method, _ = drafter_tokens(manifest, drafter, mtp, manifest.limits["max_prefill_chunk"], str(engine_dir))
     except V4EngineError as e:
         raise RenderError(str(e)) from None
+    if confidence_scheduling not in (None, True, False) or (confidence_scheduling and not (
+            method is not None and method.gives_confidence)):
+        raise RenderError(f"confidence_scheduling {confidence_scheduling!r}: it needs a drafter whose drafts carry "
+                          f"a confidence (dspark); this repository's is {method.method if method else 'none'}")
     check_destination(out, force, REPOSITORY)
     if not out.parent.is_dir():
         raise RenderError(f"{out.parent}: no such folder")
@@ -89,7 +94,8 @@ def render(engine_dir: str | Path, out: str | Path, *, gpu: bool = False, max_ba
         providers = ("CUDAExecutionProvider", "CPUExecutionProvider") if (gpu or gpus) and "providers" in takes else ()
         options = Options(engine_dir=str(engine_dir), max_seq_len=manifest.limits["max_seq_len"],
                           max_batch=max_batch, max_queue_size=max_queue_size, instance_count=instance_count, gpu=gpu,
-                          gpus=tuple(gpus), drafter=drafter, mtp=mtp, providers=providers)
+                          gpus=tuple(gpus), drafter=drafter, mtp=mtp, providers=providers,
+                          confidence_scheduling=confidence_scheduling)
         configs = model_configs(options)
     except ValueError as e:
         raise RenderError(f"{engine_dir}: cannot be written into a config.pbtxt: {e}") from None

@@ -46,6 +46,7 @@ class Options:
     drafter: str | None = None      # the drafting method (None: the engine's own)
     mtp: int | None = None          # draft tokens per step (None: the drafter's default)
     providers: tuple[str, ...] = ()  # execution providers for a backend whose sessions take them, on GPUs
+    confidence_scheduling: bool | None = None    # None: the Generator's default (on for DSpark)
 
 
 # The settings a client may send, named as tensorrtllm_backend names them where it has the setting.
@@ -152,6 +153,8 @@ def python_model(model: Model, options: Options) -> mc.ModelConfig:
         values.update(max_batch=options.max_batch, max_queue_size=options.max_queue_size)
         values.update({name: value for name, value in (("drafter", options.drafter), ("mtp", options.mtp))
                        if value is not None})
+        if options.confidence_scheduling is not None:
+            values["confidence_scheduling"] = "on" if options.confidence_scheduling else "off"
         if options.providers:
             values["providers"] = ",".join(options.providers)
         if options.gpus:

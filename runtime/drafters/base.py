@@ -60,6 +60,7 @@ class Drafter(ABC):
 
     method: str                                  # its name (v4generate --drafter, engine.json's `drafter`)
     has_graph: bool = False                      # whether it runs a draft graph of the engine's
+    gives_confidence: bool = False               # whether each proposal says its drafts' confidence
     reads: tuple[str, ...] = ()                  # target outputs it observes, per committed position
     parts: dict[str, CacheLayout] = {}           # its cache parts, by name, each a pool of the scheduler's
     session: EngineSession | None = None         # the graph it calls, which reads its pools

@@ -24,6 +24,7 @@ from .graph import GraphDrafter
 class DSparkDrafter(GraphDrafter):
     spec = DSPARK
     source = CAPTURED
+    gives_confidence = True
 
     @property
     def source_width(self) -> int:

@@ -110,7 +110,8 @@ class TritonPythonModel:
         generator = Generator.from_engine_dir(params["engine_dir"], drafter=params.get("drafter"),
                                               mtp=int(params["mtp"]) if "mtp" in params else None,
                                               limits=Limits(max_batch=int(params["max_batch"])), devices=devices,
-                                              backend_options=options)
+                                              backend_options=options, confidence_scheduling={
+                                                  "on": True, "off": False}.get(params.get("confidence_scheduling")))
         self.metrics = Metrics({"model": args["model_name"], "version": args["model_version"]},
                                positions=generator.scheduler.mtp)
         self.gauges = (self.metrics.waiting, self.metrics.running, self.metrics.pending, self.metrics.cache_bytes)

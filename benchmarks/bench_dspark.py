@@ -1,0 +1,238 @@
+"""DSpark against MTP, side by side: acceptance, speed, call costs, and the confidence head's calibration.
+
+Engines: the trained tiny V4 (examples/tiny-v4) built --mtp 3, whose MTP layer drafts k = 1..3 (MTP 0: no
+drafting), and examples/tiny-v4-dspark (the same target with its trained DSpark drafter) built --mtp 3, 5 and 7:
+DSpark N = 3, 5, 7 (N is the draft graph's block width, so each N is an engine of its own). On held-out prompts
+(files the models never saw), every system runs each group of prompts in turn (interleaved, so machine noise hits all
+alike): MTP 0..3, DSpark N with every draft verified, and DSpark N with confidence scheduling
+(runtime/verify_schedule.py). For each batch size and temperature: tokens/s and the ratio to MTP 0, mean acceptance
+length, per-position acceptance, and whether greedy tokens equal MTP 0's. Then, at batch 1, the per-call costs in
+decodes (verify of N + 1, one draft cycle) and the bound they set (mean acceptance length / (verify + draft)); the
+confidence head's calibration on DSpark 5 (predicted survival, the running product of the confidences, against
+observed acceptance, per position and in bins); and a PNG of acceptance per position and the calibration curve.
+
+`--slice` measures call costs only on the wide slice (make-tiny --config slice, random weights: nothing is accepted),
+MTP 3 against DSpark 5, so the cost of three stages with their own MoE is known at width.
+
+    .venv/bin/python -m benchmarks.bench_dspark [--work /tmp/bench-dspark] [--batch-sizes 1 8] [--temperatures 0 1]
+    .venv/bin/python -m benchmarks.bench_dspark --slice [--work /tmp/bench-dspark-slice]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks import built_engine
+from benchmarks.bench_generate import ROOT, CallClock, Tally, held_out_prompts, prompt_arguments, run_v4engine, table
+from v4engine.builder.tiny import make_tiny
+from v4engine.runtime import Generator, Limits
+from v4engine.runtime.metrics import RequestMetrics
+from v4engine.runtime.verify_schedule import survival
+
+DSPARK = ROOT / "examples" / "tiny-v4-dspark"
+WIDTHS = (3, 5, 7)
+
+
+class CalibrationLog:
+    """(predicted survival of draft j, whether it was accepted) for every draft verified while `on`."""
+
+    def __init__(self) -> None:
+        self.on, self.pairs = False, []
+        record = RequestMetrics.record_verify
+
+        def logged(metrics: RequestMetrics, drafted: int, accepted: int, confidence=None) -> None:
+            if self.on and confidence is not None:
+                self.pairs += [(float(s), j < accepted) for j, s in enumerate(survival(np.asarray(confidence)))]
+            record(metrics, drafted, accepted, confidence)
+
+        RequestMetrics.record_verify = logged
+
+    def by_position(self, n: int) -> list[tuple[float, float]]:
+        """Per position: (mean predicted survival, observed acceptance)."""
+        rows = [[] for _ in range(n)]
+        for i, pair in enumerate(self.pairs):
+            rows[i % n].append(pair)
+        return [(float(np.mean([s for s, _ in r])), float(np.mean([a for _, a in r]))) for r in rows]
+
+    def binned(self, bins: int = 10) -> list[tuple[float, float, int]]:
+        """(mean predicted, observed, count) per bin of predicted survival."""
+        s, a = np.array([p for p, _ in self.pairs]), np.array([x for _, x in self.pairs], float)
+        which = np.minimum((s * bins).astype(int), bins - 1)
+        return [(float(s[which == b].mean()), float(a[which == b].mean()), int((which == b).sum()))
+                for b in range(bins) if (which == b).any()]
+
+
+def systems(args: argparse.Namespace, max_batch: int) -> dict[str, Generator]:
+    """Every system's generator; the prefix cache off (repeated prompts would skip their prefills)."""
+    mtp = built_engine(args.checkpoint, args.work, mtp=3, name="mtp")
+    dspark = {n: built_engine(DSPARK, args.work, mtp=n, name=f"dspark{n}") for n in WIDTHS}
+
+    def open_(engine: Path, **options) -> Generator:
+        return Generator.from_engine_dir(engine, own_process=True, prefix_cache=False,
+                                         limits=Limits(max_batch=max_batch), **options)
+
+    out = {f"MTP {k}": open_(mtp, mtp=k) for k in range(4)}
+    out |= {f"DSpark {n}": open_(dspark[n], confidence_scheduling=False) for n in WIDTHS}
+    out |= {f"DSpark {n} scheduled": open_(dspark[n], confidence_scheduling=True) for n in WIDTHS}
+    return out
+
+
+def compare(generators: dict[str, Generator], prompts: list[list[int]], batch: int, temperature: float,
+            new_tokens: int, seed: int, calibration: CalibrationLog) -> dict[str, Tally]:
+    """Every system on every group of `batch` prompts, interleaved; the tallies."""
+    tallies = {name: Tally() for name in generators}
+    for g in generators.values():
+        g.totals = RequestMetrics(mtp=g.scheduler.mtp)
+    groups = [[prompts[(i + j) % len(prompts)] for j in range(batch)] for i in range(0, len(prompts), batch)]
+    for group in groups:
+        for name, g in generators.items():
+            calibration.on = name == "DSpark 5"
+            run_v4engine(g, group, new_tokens, tallies[name], temperature, seed)
+    calibration.on = False
+    return tallies
+
+
+def report(tallies: dict[str, Tally], batch: int, temperature: float, groups: str) -> dict[str, float]:
+    """Print the table and the ratios; tokens/s by system."""
+    print(table(f"batch {batch} ({groups}, temperature {temperature:g})", {n: t.row() for n, t in tallies.items()}))
+    base = tallies["MTP 0"]
+    rates = {n: t.tokens / t.seconds for n, t in tallies.items()}
+    for name, t in tallies.items():
+        same = "" if temperature else f"; tokens {'equal' if t.outputs == base.outputs else 'DIFFER from'} MTP 0's"
+        print(f"  {name}: {rates[name] / rates['MTP 0']:.2f}x MTP 0{same}")
+    print()
+    return rates
+
+
+def costs_at_batch_1(generators: dict[str, Generator], prompts: list[list[int]], new_tokens: int,
+                     tallies: dict[str, Tally]) -> None:
+    """Per-call medians in decodes, and the bound each drafter's calls set at its acceptance length."""
+    clocks = {}
+    for name in ["MTP 0", "MTP 3", *(f"DSpark {n}" for n in WIDTHS)]:
+        clocks[name] = CallClock(generators[name].scheduler.mtp)
+        generators[name].scheduler.calls.on_call = clocks[name]
+        for prompt in prompts[:4]:
+            run_v4engine(generators[name], [prompt], new_tokens, Tally())
+        generators[name].scheduler.calls.on_call = None
+    unit = clocks["MTP 0"].median("decode")
+    print("### per-call costs at batch 1 (medians, in decodes) and the bound they set\n")
+    print("| system | verify of k+1 | draft cycle | mean acc. length | bound | measured | of the bound |")
+    print("|---|---|---|---|---|---|---|")
+    base = tallies["MTP 0"].tokens / tallies["MTP 0"].seconds
+    for name, clock in clocks.items():
+        if name == "MTP 0":
+            continue
+        verify, draft = clock.median("verify") / unit, clock.median("draft") / unit
+        length = tallies[name].metrics.mean_acceptance_length
+        bound = length / (verify + draft)
+        measured = tallies[name].tokens / tallies[name].seconds / base
+        print(f"| {name} | {verify:.2f} | {draft:.2f} | {length:.2f} | {bound:.2f}x | {measured:.2f}x | "
+              f"{measured / bound:.0%} |")
+    print(f"\n(decode: {1000 * unit:.2f} ms)\n")
+
+
+def plot(tallies: dict[str, Tally], calibration: CalibrationLog, path: Path, title: str) -> None:
+    """Acceptance per position (MTP 3, DSpark 3/5/7) and the confidence head's calibration curve."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name in ("MTP 3", *(f"DSpark {n}" for n in WIDTHS)):
+        per = tallies[name].metrics.per_position_acceptance
+        left.plot(range(1, len(per) + 1), per, marker="o", label=name)
+    left.set(xlabel="draft position", ylabel="share of verifies accepting it", ylim=(0, 1),
+             title=f"acceptance per position ({title})")
+    left.legend()
+    bins = calibration.binned()
+    right.plot([0, 1], [0, 1], color="grey", linestyle="--", label="perfect calibration")
+    right.plot([b[0] for b in bins], [b[1] for b in bins], marker="o", label="DSpark 5 (binned)")
+    right.scatter([p for p, _ in calibration.by_position(5)], [a for _, a in calibration.by_position(5)],
+                  marker="x", color="black", zorder=3, label="per position")
+    right.set(xlabel="predicted survival (product of confidences)", ylabel="observed acceptance",
+              xlim=(0, 1), ylim=(0, 1), title="confidence head calibration")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def calibration_tables(calibration: CalibrationLog) -> None:
+    print("### DSpark 5 calibration: predicted survival against observed acceptance\n")
+    print("| position | predicted | observed |\n|---|---|---|")
+    for j, (p, a) in enumerate(calibration.by_position(5), 1):
+        print(f"| {j} | {p:.2f} | {a:.2f} |")
+    print("\n| predicted bin mean | observed | drafts |\n|---|---|---|")
+    for p, a, n in calibration.binned():
+        print(f"| {p:.2f} | {a:.2f} | {n} |")
+    print()
+
+
+def slice_costs(work: Path, prompt_tokens: int, batch_sizes: list[int]) -> None:
+    """The wide slice with random weights, MTP 3 against DSpark 5: per-call medians, decode units."""
+    engines = {}
+    for drafter, k in (("mtp", 3), ("dspark", 5)):
+        checkpoint = work / f"slice-{drafter}"
+        if not (checkpoint / "config.json").is_file():
+            make_tiny(checkpoint, config="slice", quantize="mxfp4", dtype="bfloat16", drafter=drafter)
+        engines[drafter] = built_engine(checkpoint, work, mtp=k, name=f"engine-{drafter}")
+    rng = np.random.default_rng(0)
+    print("| batch | decode | MTP 3: verify of 4 | MTP 3: draft cycle | DSpark 5: verify of 6 | "
+          "DSpark 5: draft cycle |")
+    print("|---|---|---|---|---|---|")
+    for batch in batch_sizes:
+        medians = {}
+        for drafter, engine in engines.items():
+            for k in (0, None):
+                g = Generator.from_engine_dir(engine, own_process=True, prefix_cache=False, mtp=k,
+                                              limits=Limits(max_batch=batch), confidence_scheduling=False)
+                clock = CallClock(g.scheduler.mtp)
+                g.scheduler.calls.on_call = clock
+                vocab = g.manifest.model.vocab_size
+                prompts = [[int(t) for t in rng.integers(2, vocab, prompt_tokens)] for _ in range(batch)]
+                run_v4engine(g, prompts, 12, Tally())
+                medians[(drafter, k)] = {kind: statistics.median(s) for kind, s in clock.seconds.items()}
+        unit = medians[("mtp", 0)]["decode"]
+        cells = [f"{1000 * unit:.1f} ms"] + [f"{medians[(d, None)][kind] / unit:.2f}" for d in engines
+                                            for kind in ("verify", "draft")]
+        print(f"| {batch} | " + " | ".join(cells) + " |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    prompt_arguments(p)
+    p.add_argument("--work", type=Path, default=Path("/tmp/bench-dspark"), help="engine folder (reused)")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="0: greedy; above 0 sampled")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plot", type=Path, default=ROOT / "benchmarks" / "dspark.png", help="the PNG written")
+    p.add_argument("--slice", action="store_true", help="call costs on the wide slice instead (random weights)")
+    args = p.parse_args()
+    if args.slice:
+        slice_costs(args.work, args.prompt_tokens, args.batch_sizes)
+        return
+    prompts = held_out_prompts(args.checkpoint / "tokenizer.json", args.prompts, args.prompt_tokens,
+                               args.new_tokens, args.seed)
+    generators = systems(args, max(args.batch_sizes))
+    for g in generators.values():                            # warm up every system once, untimed
+        run_v4engine(g, prompts[:1], 8, Tally())
+    calibration = CalibrationLog()
+    first = None
+    for temperature in args.temperatures:
+        for batch in args.batch_sizes:
+            tallies = compare(generators, prompts, batch, temperature, args.new_tokens, args.seed, calibration)
+            report(tallies, batch, temperature, f"{len(prompts)} held-out prompts of {args.prompt_tokens} tokens, "
+                   f"{args.new_tokens} new tokens each")
+            first = first or (tallies, batch, temperature)
+    tallies, batch, temperature = first
+    if batch == 1:
+        costs_at_batch_1(generators, prompts, args.new_tokens, tallies)
+    calibration_tables(calibration)
+    plot(tallies, calibration, args.plot, f"batch {batch}, temperature {temperature:g}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,247 @@
+"""Confidence-scheduled verification: verify only the drafts that pay (DSpark's scheduler; vLLM's adaptive
+verification).
+
+A drafter that gives each draft a confidence c_j (DSpark's confidence head: the chance that draft j survives when
+the ones before it did) predicts the survival of each prefix, S_j = c_1 ... c_j. A step that drafts for B decoding
+rows and verifies width w + 1 commits, in expectation, the sum over rows of 1 + S_1 + ... + S_min(w, n), and costs
+a draft cycle at batch B plus a target call of width w + 1. `VerifyPlanner` keeps the w that maximises expected
+tokens per second, from costs measured on this machine (`StepCosts`, profiled once per engine, options and machine,
+and recorded). It also decides whether to draft at all: from each row's survivals at its last draft, the best
+expected rate of a step with a draft cycle against a plain decode step (B tokens per target call of width 1); when
+drafting does not pay (a saturated batch whose drafts are rarely kept) the step makes no draft call, and every
+`probe_every`-th step drafts again to refresh the estimates. The drafter's rings lose nothing by a skipped cycle:
+the next one feeds them every committed position it has not seen.
+
+Lossless by construction: a verify checks every draft it keeps exactly as before; only how many it keeps changes.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from v4engine.contract.calls import Call
+
+from .sampling import SamplingParams
+from .scheduler import Phase, Request, Scheduler
+
+CACHE_DIR = "V4ENGINE_CACHE_DIR"       # where profiles are recorded (default ~/.cache/v4engine)
+REPEATS = 5                           # timings per (batch, width): the median is kept
+PROFILE_PROMPT = 64                   # prompt tokens of the profiling requests
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """Seconds of the calls a step makes, at each profiled batch size (ascending `batches`): one draft cycle
+    (`draft[i]`) and one target call verifying width 1 .. k + 1 (`verify[i][w - 1]`); between and beyond the
+    profiled sizes, linear interpolation (flat past the ends)."""
+
+    batches: tuple[int, ...]
+    draft: tuple[float, ...]
+    verify: tuple[tuple[float, ...], ...]
+
+    @property
+    def widths(self) -> int:
+        return len(self.verify[0])
+
+    def draft_at(self, batch: int) -> float:
+        return float(np.interp(batch, self.batches, self.draft))
+
+    def verify_at(self, batch: int, width: int) -> float:
+        return float(np.interp(batch, self.batches, [row[width - 1] for row in self.verify]))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"batches": list(self.batches), "draft": list(self.draft), "verify": [list(r) for r in self.verify]}
+
+    @classmethod
+    def from_json(cls, data: Any, widths: int) -> "StepCosts | None":
+        """A recorded profile, or None when it is not one for `widths` verify widths (then it is measured again)."""
+        try:
+            batches, draft = tuple(data["batches"]), tuple(data["draft"])
+            verify = tuple(tuple(row) for row in data["verify"])
+            ok = (batches and len(draft) == len(batches) == len(verify)
+                  and all(isinstance(b, int) and b > 0 for b in batches) and list(batches) == sorted(set(batches))
+                  and all(len(row) == widths for row in verify)
+                  and all(isinstance(s, float) and math.isfinite(s) and s > 0 for s in (*draft, *sum(verify, ()))))
+        except (KeyError, TypeError):
+            return None
+        return cls(batches, draft, verify) if ok else None
+
+
+def survival(confidence: np.ndarray) -> np.ndarray:
+    """Each prefix's chance to survive verification [n]: the running product of the drafts' confidences."""
+    return np.cumprod(confidence.astype(np.float64))
+
+
+class VerifyPlanner:
+    """Chooses, each step, whether the batch drafts and how many drafts each row's verify keeps."""
+
+    def __init__(self, costs: StepCosts, probe_every: int = 8):
+        self.costs, self.probe_every = costs, probe_every
+        self.since_draft = 0                 # steps without a draft call since the last
+
+    def expected_rate(self, survivals: Sequence[np.ndarray], width: int) -> float:
+        """Expected tokens per second of a step that drafts for these rows and verifies `width` drafts of each."""
+        B = len(survivals)
+        tokens = B + sum(float(s[:width].sum()) for s in survivals)
+        return tokens / (self.costs.draft_at(B) + self.costs.verify_at(B, width + 1))
+
+    def best_width(self, survivals: Sequence[np.ndarray]) -> int:
+        """The drafts per row (0 .. the longest proposal) with the most expected tokens per second."""
+        longest = min(max((len(s) for s in survivals), default=0), self.costs.widths - 1)
+        return max(range(longest + 1), key=lambda w: (self.expected_rate(survivals, w), -w))
+
+    def should_draft(self, requests: Sequence[Request]) -> bool:
+        """Whether this step's decoding rows draft: yes for a row never drafted, every probe_every-th step, and when
+        the best expected rate with a draft cycle beats a plain decode step's."""
+        if not requests:
+            return False
+        estimates = [r.survival for r in requests]
+        if any(s is None for s in estimates) or self.since_draft + 1 >= self.probe_every:
+            return True
+        B = len(requests)
+        decode = B / self.costs.verify_at(B, 1)
+        if self.expected_rate(estimates, self.best_width(estimates)) > decode:
+            return True
+        self.since_draft += 1
+        return False
+
+    def trim(self, requests: Sequence[Request]) -> None:
+        """After a draft cycle: keep each row's best prefix (its survivals recorded for the next decisions)."""
+        self.since_draft = 0
+        survivals = []
+        for r in requests:
+            if r.proposal is not None and r.proposal.confidence is not None:
+                r.survival = survival(r.proposal.confidence)
+                survivals.append(r.survival)
+        width = self.best_width(survivals)
+        for r in requests:
+            if r.proposal is not None:
+                r.proposal = r.proposal.trimmed(width)
+
+
+class FixedWidth(VerifyPlanner):
+    """Always draft, verify `drafts` of each row: how the profile measures each width."""
+
+    def __init__(self, drafts: int):
+        self.drafts, self.since_draft = drafts, 0
+
+    def should_draft(self, requests: Sequence[Request]) -> bool:
+        return bool(requests)
+
+    def trim(self, requests: Sequence[Request]) -> None:
+        for r in requests:
+            if r.proposal is not None:
+                r.proposal = r.proposal.trimmed(self.drafts)
+
+
+# ---------------------------------------------------------------------- profiling
+def profile_batches(max_batch: int) -> list[int]:
+    """1, 2, 4, ... up to max_batch, and max_batch."""
+    return sorted({min(2 ** i, max_batch) for i in range(max_batch.bit_length() + 1)})
+
+
+def profile_step_costs(scheduler: Scheduler, repeats: int = REPEATS) -> StepCosts | None:
+    """Measure a step's calls on the scheduler's own engine and pools: at each profile batch, that many requests of
+    random prompts decode with a fixed verify width, each width `repeats` times; the medians. Batches that do not
+    fit its memory budget (or max_seq_len) are left to extrapolation; None when not even batch 1 fits. Leaves the
+    scheduler as it found it: the requests cancelled, the prefix cache untouched."""
+    k = scheduler.mtp
+    prompt = min(PROFILE_PROMPT, scheduler.max_seq_len // 4)
+    decoded = repeats * (k + 1) * (k + 2) // 2 + 2           # tokens a request commits while every width is timed
+    if scheduler.busy or prompt + decoded + k + 1 > scheduler.max_seq_len:
+        return None
+    rng = np.random.default_rng(0)
+    saved = scheduler.planner, scheduler.prefix, scheduler.calls.on_call
+    table: dict[int, tuple[float, list[float]]] = {}
+    try:
+        scheduler.prefix = None
+        for batch in profile_batches(scheduler.max_batch):
+            measured = _profile_batch(scheduler, batch, rng.integers(2, scheduler.cfg.vocab_size, (batch, prompt)),
+                                      decoded, repeats)
+            if measured is None:
+                break
+            table[batch] = measured
+    finally:
+        scheduler.planner, scheduler.prefix, scheduler.calls.on_call = saved
+    if not table:
+        return None
+    batches = sorted(table)
+    return StepCosts(tuple(batches), tuple(table[b][0] for b in batches), tuple(tuple(table[b][1]) for b in batches))
+
+
+def _profile_batch(scheduler: Scheduler, batch: int, prompts: np.ndarray, decoded: int, repeats: int
+                   ) -> tuple[float, list[float]] | None:
+    """(median draft-cycle seconds, median verify seconds per width) at `batch` rows, or None if they do not fit."""
+    params = SamplingParams(max_new_tokens=decoded, ignore_eos=True, temperature=0.0)
+    requests = [scheduler.submit([int(t) for t in p], params) for p in prompts]
+    draft: list[float] = []
+    verify: list[list[float]] = [[] for _ in range(scheduler.mtp + 1)]
+    try:
+        while any(r.phase != Phase.DECODE for r in requests):            # prefill every row
+            scheduler.step()
+            if scheduler.waiting or any(r.finish_reason is not None for r in requests):
+                return None                                             # they do not all fit at once
+        for _ in range(repeats):
+            for drafts in range(scheduler.mtp + 1):
+                calls: list[tuple[Call, tuple[int, ...], float]] = []
+                scheduler.planner = FixedWidth(drafts)
+                scheduler.calls.on_call = lambda kind, shape, seconds: calls.append((kind, shape, seconds))
+                scheduler.step()
+                if len(scheduler.active) != batch or any(r.finish_reason is not None for r in requests):
+                    return None
+                draft += [s for kind, shape, s in calls if kind == Call.CYCLE and shape[0] == batch]
+                verify[drafts] += [s for kind, shape, s in calls
+                                   if kind == Call.VERIFY and shape == (batch, drafts + 1)]
+    finally:
+        for r in requests:
+            scheduler.cancel(r)
+    if not draft or not all(verify):
+        return None
+    return float(np.median(draft)), [float(np.median(v)) for v in verify]
+
+
+# ---------------------------------------------------------------------- the record
+def profile_key(engine_dir: Path, options: Any, scheduler: Scheduler) -> str:
+    """What a profile depends on: the engine (its engine.json), the session options, k, max_batch, the machine."""
+    digest = hashlib.sha256()
+    digest.update((engine_dir / "engine.json").read_bytes())
+    digest.update(repr((options, scheduler.drafter.method, scheduler.mtp, scheduler.max_batch,
+                        platform.node(), platform.machine(), os.cpu_count())).encode())
+    return digest.hexdigest()[:32]
+
+
+def recorded_costs(key: str, widths: int, measure: Callable[[], StepCosts | None], folder: Path | None = None
+                   ) -> StepCosts | None:
+    """The profile recorded under `key` in `folder` (default $V4ENGINE_CACHE_DIR or ~/.cache/v4engine, then
+    step-costs/), or measure() now and record it there (atomically; a folder that cannot be written is skipped)."""
+    folder = folder or Path(os.environ.get(CACHE_DIR) or Path.home() / ".cache" / "v4engine") / "step-costs"
+    path = folder / f"{key}.json"
+    try:
+        costs = StepCosts.from_json(json.loads(path.read_text()), widths)
+    except (OSError, ValueError):
+        costs = None
+    if costs is not None:
+        return costs
+    costs = measure()
+    if costs is not None:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile("w", dir=folder, delete=False, suffix=".tmp") as f:
+                json.dump(costs.to_json(), f)
+            os.replace(f.name, path)
+        except OSError:
+            pass
+    return costs
+
+
+__all__ = ["FixedWidth", "StepCosts", "VerifyPlanner", "profile_step_costs", "recorded_costs", "survival"]

@@ -1,0 +1,190 @@
+"""Confidence-scheduled verification (runtime/verify_schedule.py): the widths it picks are the ones that pay, its
+profile is measured once and read back, and the tokens never change."""
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from v4engine.runtime import verify_schedule
+from v4engine.runtime.budget import Limits
+from v4engine.runtime.drafters import Proposal
+from v4engine.runtime.generator import Generator
+from v4engine.runtime.sampling import RequestError, SamplingParams
+from v4engine.runtime.verify_schedule import StepCosts, VerifyPlanner, recorded_costs, survival
+from v4engine.triton_repo import RenderError, render
+
+GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
+
+
+def costs(draft: float, verify_per_token: float, widths: int = 6) -> StepCosts:
+    """A hand-made profile: batches 1 and 8; a verify costs 1 ms plus verify_per_token per row and token."""
+    return StepCosts((1, 8), (draft, 8 * draft),
+                     tuple(tuple(1e-3 + verify_per_token * b * w for w in range(1, widths + 1)) for b in (1, 8)))
+
+
+def row(confidence: list[float]) -> SimpleNamespace:
+    """A decoding request as the planner sees it: its proposal (with confidences) and its last survivals."""
+    return SimpleNamespace(proposal=Proposal(list(range(len(confidence))), confidence=np.array(confidence)),
+                           survival=None)
+
+
+# ---------------------------------------------------------------------- the choice
+def test_survival_is_the_running_product_of_the_confidences():
+    assert survival(np.array([0.9, 0.5, 0.2])) == pytest.approx([0.9, 0.45, 0.09])
+
+
+@pytest.mark.parametrize("draft, per_token", [(1e-4, 1e-5), (1e-4, 1e-3), (2e-3, 1e-4), (1e-5, 5e-2)])
+def test_the_chosen_width_maximises_expected_tokens_per_second_by_brute_force(draft, per_token):
+    rng = np.random.default_rng(0)
+    planner = VerifyPlanner(costs(draft, per_token))
+    for _ in range(20):
+        confidences = [list(rng.uniform(0, 1, 5)) for _ in range(int(rng.integers(1, 9)))]
+        S = [survival(np.array(c)) for c in confidences]
+        B = len(S)
+        rates = [(B + sum(s[:w].sum() for s in S)) / (planner.costs.draft_at(B) + planner.costs.verify_at(B, w + 1))
+                 for w in range(6)]
+        assert rates[planner.best_width(S)] == pytest.approx(max(rates))
+
+
+def test_cheap_verifies_keep_every_draft_and_dear_ones_keep_none():
+    sure = [survival(np.array([0.99] * 5))]
+    assert VerifyPlanner(costs(1e-4, 1e-6)).best_width(sure) == 5
+    doubtful = [survival(np.array([0.05] * 5))]
+    assert VerifyPlanner(costs(1e-4, 1e-2)).best_width(doubtful) == 0
+
+
+def test_trim_keeps_the_best_prefix_of_every_row_and_records_the_survivals():
+    planner = VerifyPlanner(costs(1e-4, 2e-4))
+    rows = [row([0.95, 0.9, 0.2, 0.9, 0.9]), row([0.9, 0.8, 0.1, 0.5, 0.5])]
+    planner.trim(rows)
+    width = planner.best_width([r.survival for r in rows])
+    assert 0 < width < 5
+    assert [len(r.proposal.tokens) for r in rows] == [width, width]
+    assert rows[0].survival == pytest.approx(survival(np.array([0.95, 0.9, 0.2, 0.9, 0.9])))
+
+
+def test_a_batch_whose_drafts_do_not_pay_skips_the_draft_call_but_probes_again():
+    planner = VerifyPlanner(costs(draft=5e-3, verify_per_token=1e-3), probe_every=4)
+    rows = [row([0.1] * 5) for _ in range(8)]
+    assert planner.should_draft(rows), "a row never drafted drafts"
+    planner.trim(rows)
+    decisions = [planner.should_draft(rows) for _ in range(8)]
+    assert decisions[:3] == [False, False, False] and decisions[3], "the fourth step probes"
+    paying = [row([0.99] * 5) for _ in range(8)]
+    cheap = VerifyPlanner(costs(draft=1e-5, verify_per_token=1e-5))
+    cheap.trim(paying)
+    assert all(cheap.should_draft(paying) for _ in range(8))
+
+
+# ---------------------------------------------------------------------- the record
+def test_a_recorded_profile_is_read_back_and_a_bad_one_is_measured_again(tmp_path):
+    measured = []
+
+    def measure():
+        measured.append(1)
+        return costs(1e-4, 1e-4)
+
+    first = recorded_costs("key", 6, measure, tmp_path)
+    assert recorded_costs("key", 6, measure, tmp_path) == first and len(measured) == 1
+    assert recorded_costs("key", 4, measure, tmp_path) is not None and len(measured) == 2, "another k: measured"
+    for bad in ({"batches": [1], "draft": [float("nan")], "verify": [[1e-3] * 4]},
+                {"batches": [8, 1], "draft": [1e-3, 1e-3], "verify": [[1e-3] * 4] * 2},
+                {"batches": [1], "draft": [-1.0], "verify": [[1e-3] * 4]},
+                {"batches": ["1"], "draft": [1e-3], "verify": [[1e-3] * 4]}, [], "x"):
+        (tmp_path / "key.json").write_text(json.dumps(bad))
+        recorded_costs("key", 4, measure, tmp_path)
+    (tmp_path / "key.json").write_bytes(b"\xff not json")
+    assert recorded_costs("key", 4, measure, tmp_path) is not None
+    assert len(measured) == 2 + 7, "every bad record was measured again"
+
+
+# ---------------------------------------------------------------------- on an engine
+@pytest.fixture(scope="module")
+def dspark_engine(tiny_engine):
+    """A DSpark engine built --mtp 7 whose drafts are often accepted (make-tiny --agree 0.1)."""
+    return tiny_engine("mixed", mtp=7, drafter="dspark", agree=0.1)[1]
+
+
+def prompts(n: int) -> list[list[int]]:
+    rng = np.random.default_rng(3)
+    return [[int(t) for t in rng.integers(2, 60, 12)] for _ in range(n)]
+
+
+def test_greedy_tokens_are_the_same_with_and_without_it_solo_and_batched(dspark_engine):
+    ps = prompts(5)
+    off = Generator.from_engine_dir(dspark_engine, confidence_scheduling=False)
+    on = Generator.from_engine_dir(dspark_engine, confidence_scheduling=True)
+    assert on.scheduler.planner is not None and off.scheduler.planner is None
+    want = [r.token_ids for r in off.generate(ps, GREEDY)]
+    assert [r.token_ids for r in on.generate(ps, GREEDY)] == want
+    assert [on.generate([p], GREEDY)[0].token_ids for p in ps] == want
+    assert on.totals.accepted > 0
+
+
+def test_verifies_shrink_where_the_confidence_says_drafts_will_not_survive(dspark_engine):
+    """With verifies made dear (a profile of this shape), the planner keeps short prefixes; with them free, all."""
+    ps = prompts(4)
+    generator = Generator.from_engine_dir(dspark_engine, confidence_scheduling=True)
+    generator.scheduler.planner = VerifyPlanner(costs(1e-4, 5e-3, widths=8))
+    dear = generator.generate(ps, GREEDY)
+    generator.scheduler.planner = VerifyPlanner(costs(1e-4, 1e-9, widths=8))
+    free = generator.generate(ps, GREEDY)
+    assert [r.token_ids for r in dear] == [r.token_ids for r in free]
+    per_verify = [sum(r.metrics["drafted"] for r in rs) / sum(r.metrics["verify_steps"] for r in rs)
+                  for rs in (dear, free)]
+    assert per_verify[0] < per_verify[1] == 7
+
+
+def test_the_profile_is_measured_once_and_reused_by_the_next_open(dspark_engine, tmp_path, monkeypatch):
+    Generator.from_engine_dir(dspark_engine, step_costs=tmp_path, limits=Limits(max_batch=4))
+    [record] = tmp_path.iterdir()
+    profile = StepCosts.from_json(json.loads(record.read_text()), 8)
+    assert profile.batches == (1, 2, 4) and all(s > 0 for s in profile.draft)
+
+    def no_second_profile(scheduler):
+        raise AssertionError("profiled again")
+
+    monkeypatch.setattr(verify_schedule, "profile_step_costs", no_second_profile)
+    import v4engine.runtime.generator as generator_module
+    monkeypatch.setattr(generator_module, "profile_step_costs", no_second_profile)
+    again = Generator.from_engine_dir(dspark_engine, step_costs=tmp_path, limits=Limits(max_batch=4))
+    assert again.scheduler.planner.costs == profile
+    assert not again.scheduler.active and not again.scheduler.waiting and again.scheduler.used_bytes == 0
+
+
+def test_it_is_refused_in_one_line_where_the_drafts_carry_no_confidence(tiny_engine, dspark_engine, tmp_path):
+    mtp_engine = tiny_engine("mixed")[1]
+    with pytest.raises(RequestError, match="confidence_scheduling needs drafts with a confidence.*mtp"):
+        Generator.from_engine_dir(mtp_engine, confidence_scheduling=True)
+    with pytest.raises(RequestError, match="confidence_scheduling must be"):
+        Generator.from_engine_dir(dspark_engine, confidence_scheduling="yes")
+    assert Generator.from_engine_dir(mtp_engine).scheduler.planner is None, "off by default without confidence"
+    with pytest.raises(RenderError, match="confidence_scheduling.*dspark"):
+        render(mtp_engine, tmp_path / "repo", confidence_scheduling=True)
+    assert not (tmp_path / "repo").exists()
+
+
+
+def test_the_triton_repository_and_v4generate_carry_the_switch(dspark_engine, tmp_path, capsys):
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    from v4engine.builder.cli import main as v4build
+    from v4engine.runtime.cli import main as v4generate
+
+    def parameters(repo) -> dict[str, str]:
+        config = text_format.Parse((repo / "v4_generate" / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+        return {k: v.string_value for k, v in config.parameters.items()}
+
+    assert v4build(["triton-repo", str(dspark_engine), str(tmp_path / "off"), "--confidence-scheduling", "off"]) == 0
+    assert parameters(tmp_path / "off")["confidence_scheduling"] == "off"
+    assert "confidence_scheduling" not in parameters(render(dspark_engine, tmp_path / "auto")), "the default: on"
+    args = [str(dspark_engine), "--prompt-ids", "5,17,99", "--max-new-tokens", "12", "--json"]
+    outputs = []
+    for switch in ("on", "off"):
+        assert v4generate(args + ["--confidence-scheduling", switch]) == 0
+        outputs.append(json.loads(capsys.readouterr().out)["token_ids"])
+    assert outputs[0] == outputs[1]

@@ -8,9 +8,9 @@ a draft cycle at batch B plus a target call of width w + 1. `VerifyPlanner` keep
 tokens per second, from costs measured on this machine (`StepCosts`, profiled once per engine, options and machine,
 and recorded). It also decides whether to draft at all: from each row's survivals at its last draft, the best
 expected rate of a step with a draft cycle against a plain decode step (B tokens per target call of width 1); when
-drafting does not pay (a saturated batch whose drafts are rarely kept) the step makes no draft call, and every
-`probe_every`-th step drafts again to refresh the estimates. The drafter's rings lose nothing by a skipped cycle:
-the next one feeds them every committed position it has not seen.
+drafting does not pay (a saturated batch whose drafts are rarely kept) the step makes no draft call, and now and
+then (less often while it keeps not paying) a step drafts again to refresh the estimates. The drafter's rings lose
+nothing by a skipped cycle: the next one feeds them every committed position it has not seen.
 
 Lossless by construction: a verify checks every draft it keeps exactly as before; only how many it keeps changes.
 """
@@ -85,9 +85,11 @@ def survival(confidence: np.ndarray) -> np.ndarray:
 class VerifyPlanner:
     """Chooses, each step, whether the batch drafts and how many drafts each row's verify keeps."""
 
-    def __init__(self, costs: StepCosts, probe_every: int = 8):
-        self.costs, self.probe_every = costs, probe_every
+    def __init__(self, costs: StepCosts, probe_every: int = 8, probe_at_most_every: int = 128):
+        self.costs, self.probe_every, self.probe_at_most_every = costs, probe_every, probe_at_most_every
         self.since_draft = 0                 # steps without a draft call since the last
+        self.interval = probe_every          # steps without drafting before a probe: doubles while probes don't pay
+        self.typical: np.ndarray | None = None   # the mean survivals of the last draft: a new row's estimate
 
     def expected_rate(self, survivals: Sequence[np.ndarray], width: int) -> float:
         """Expected tokens per second of a step that drafts for these rows and verifies `width` drafts of each."""
@@ -100,29 +102,37 @@ class VerifyPlanner:
         longest = min(max((len(s) for s in survivals), default=0), self.costs.widths - 1)
         return max(range(longest + 1), key=lambda w: (self.expected_rate(survivals, w), -w))
 
+    def pays(self, survivals: Sequence[np.ndarray]) -> bool:
+        """Whether a step that drafts for these rows beats a plain decode step (B tokens per verify of width 1)."""
+        B = len(survivals)
+        return self.expected_rate(survivals, self.best_width(survivals)) > B / self.costs.verify_at(B, 1)
+
     def should_draft(self, requests: Sequence[Request]) -> bool:
-        """Whether this step's decoding rows draft: yes for a row never drafted, every probe_every-th step, and when
-        the best expected rate with a draft cycle beats a plain decode step's."""
+        """Whether this step's decoding rows draft: yes when drafting pays by each row's survivals at its last draft (a
+        row never drafted: the last draft's mean; before any draft: yes); otherwise only to probe, after `interval`
+        steps without (probe_every at first, doubled after each probe that did not pay, up to probe_at_most_every:
+        a probe costs a draft cycle that catches up on every position since the last)."""
         if not requests:
             return False
-        estimates = [r.survival for r in requests]
-        if any(s is None for s in estimates) or self.since_draft + 1 >= self.probe_every:
-            return True
-        B = len(requests)
-        decode = B / self.costs.verify_at(B, 1)
-        if self.expected_rate(estimates, self.best_width(estimates)) > decode:
+        estimates = [r.survival if r.survival is not None else self.typical for r in requests]
+        if any(s is None for s in estimates) or self.pays(estimates):
             return True
         self.since_draft += 1
-        return False
+        return self.since_draft >= self.interval
 
     def trim(self, requests: Sequence[Request]) -> None:
         """After a draft cycle: keep each row's best prefix (its survivals recorded for the next decisions)."""
-        self.since_draft = 0
         survivals = []
         for r in requests:
             if r.proposal is not None and r.proposal.confidence is not None:
                 r.survival = survival(r.proposal.confidence)
                 survivals.append(r.survival)
+        if survivals:
+            longest = max(len(s) for s in survivals)
+            self.typical = np.mean([np.pad(s, (0, longest - len(s))) for s in survivals], axis=0)
+            paid = self.pays(survivals)
+            self.interval = self.probe_every if paid else min(2 * self.interval, self.probe_at_most_every)
+        self.since_draft = 0
         width = self.best_width(survivals)
         for r in requests:
             if r.proposal is not None:

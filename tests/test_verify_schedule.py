@@ -70,9 +70,10 @@ def test_a_batch_whose_drafts_do_not_pay_skips_the_draft_call_but_probes_again()
     planner = VerifyPlanner(costs(draft=5e-3, verify_per_token=1e-3), probe_every=4)
     rows = [row([0.1] * 5) for _ in range(8)]
     assert planner.should_draft(rows), "a row never drafted drafts"
-    planner.trim(rows)
-    decisions = [planner.should_draft(rows) for _ in range(8)]
-    assert decisions[:3] == [False, False, False] and decisions[3], "the fourth step probes"
+    planner.trim(rows)                     # that draft did not pay: the next probe waits twice probe_every
+    assert [planner.should_draft(rows) for _ in range(8)] == [False] * 7 + [True]
+    planner.trim(rows)                     # nor did the probe: twice as long again
+    assert [planner.should_draft(rows) for _ in range(16)] == [False] * 15 + [True]
     paying = [row([0.99] * 5) for _ in range(8)]
     cheap = VerifyPlanner(costs(draft=1e-5, verify_per_token=1e-5))
     cheap.trim(paying)

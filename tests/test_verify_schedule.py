@@ -3,6 +3,8 @@ profile is measured once and read back, and the tokens never change."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -129,12 +131,12 @@ def test_verifies_shrink_where_the_confidence_says_drafts_will_not_survive(dspar
     """With verifies made dear (a profile of this shape), the planner keeps short prefixes; with them free, all."""
     ps = prompts(4)
     generator = Generator.from_engine_dir(dspark_engine, confidence_scheduling=True)
-    generator.scheduler.planner = VerifyPlanner(costs(1e-4, 5e-3, widths=8))
+    generator.scheduler.planner = VerifyPlanner(costs(1e-4, 3e-4, widths=8))
     dear = generator.generate(ps, GREEDY)
     generator.scheduler.planner = VerifyPlanner(costs(1e-4, 1e-9, widths=8))
     free = generator.generate(ps, GREEDY)
     assert [r.token_ids for r in dear] == [r.token_ids for r in free]
-    per_verify = [sum(r.metrics["drafted"] for r in rs) / sum(r.metrics["verify_steps"] for r in rs)
+    per_verify = [sum(r.metrics["drafted"] for r in rs) / max(1, sum(r.metrics["verify_steps"] for r in rs))
                   for rs in (dear, free)]
     assert per_verify[0] < per_verify[1] == 7
 
@@ -169,12 +171,11 @@ def test_it_is_refused_in_one_line_where_the_drafts_carry_no_confidence(tiny_eng
 
 
 
-def test_the_triton_repository_and_v4generate_carry_the_switch(dspark_engine, tmp_path, capsys):
+def test_the_triton_repository_and_v4generate_carry_the_switch(dspark_engine, tmp_path):
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2
 
     from v4engine.builder.cli import main as v4build
-    from v4engine.runtime.cli import main as v4generate
 
     def parameters(repo) -> dict[str, str]:
         config = text_format.Parse((repo / "v4_generate" / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
@@ -183,9 +184,11 @@ def test_the_triton_repository_and_v4generate_carry_the_switch(dspark_engine, tm
     assert v4build(["triton-repo", str(dspark_engine), str(tmp_path / "off"), "--confidence-scheduling", "off"]) == 0
     assert parameters(tmp_path / "off")["confidence_scheduling"] == "off"
     assert "confidence_scheduling" not in parameters(render(dspark_engine, tmp_path / "auto")), "the default: on"
-    args = [str(dspark_engine), "--prompt-ids", "5,17,99", "--max-new-tokens", "12", "--json"]
     outputs = []
-    for switch in ("on", "off"):
-        assert v4generate(args + ["--confidence-scheduling", switch]) == 0
-        outputs.append(json.loads(capsys.readouterr().out)["token_ids"])
+    for switch in ("on", "off"):        # in a process of its own: v4generate takes ONNX Runtime's global pool
+        run = subprocess.run([sys.executable, "-m", "v4engine.runtime.cli", str(dspark_engine), "--prompt-ids",
+                              "5,17,99", "--max-new-tokens", "12", "--json", "--confidence-scheduling", switch],
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr
+        outputs.append(json.loads(run.stdout)["token_ids"])
     assert outputs[0] == outputs[1]

@@ -23,9 +23,7 @@ second shard (FP8 128x128 blocks; Markov tables and norms bf16), config.json wit
 """
 from __future__ import annotations
 
-import argparse
 import json
-import math
 import shutil
 import time
 from pathlib import Path
@@ -35,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 from tqdm import tqdm
-from train_tiny import encode
+from train_tiny import cosine_lr, encode, training_arguments, training_log
 
 from v4engine.builder.load import load_model
 from v4engine.builder.model import ModelState, Transformer
@@ -152,27 +150,12 @@ def write_release_layout(drafter: DSpark, raw: dict, output: Path) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--work", type=Path, required=True, help="folder for the token cache, state and log")
-    p.add_argument("--output", type=Path, default=None, help="where to write the checkpoint at the end (a new folder)")
-    p.add_argument("--minutes", type=float, default=60, help="training time budget (this run)")
-    p.add_argument("--steps", type=int, default=1200, help="schedule length in steps (cosine decay)")
-    p.add_argument("--batch", type=int, default=8, help="sequences per step")
-    p.add_argument("--length", type=int, default=256, help="tokens per sequence (the ring fills after 64)")
+    p = training_arguments(__doc__.splitlines()[0], minutes=60, steps=1200, lr=1e-3)
     p.add_argument("--anchors", type=int, default=24, help="blocks drawn per sequence per step")
     p.add_argument("--markov-rank", type=int, default=64, help="rank r of the Markov head (Flash: 256)")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    args.work.mkdir(parents=True, exist_ok=True)
-    log = open(args.work / "train.log", "a")
-
-    def say(msg: str) -> None:
-        tqdm.write(msg)
-        log.write(msg + "\n")
-        log.flush()
+    say = training_log(args.work)
 
     from tokenizers import Tokenizer
     train_files, held_files = stdlib_split()
@@ -202,7 +185,7 @@ def main() -> None:
     drafter.train()
     bar = tqdm(total=args.steps, initial=step, desc="train dspark", unit="step")
     while step < args.steps and time.time() - started < args.minutes * 60:
-        lr = args.lr * 0.5 * (1 + math.cos(math.pi * step / args.steps)) * min(1.0, (step + 1) / 50)
+        lr = cosine_lr(step, args.steps, args.lr, warmup=50)
         for group in optimizer.param_groups:
             group["lr"] = lr
         starts = rng.integers(0, len(train) - args.length - 1, args.batch)

@@ -15,11 +15,13 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from v4engine.builder.model import ModelState, Transformer
 from v4engine.builder.model.v4 import hyper_head
@@ -96,27 +98,45 @@ def held_out_loss(model: Transformer, data: np.ndarray, length: int, batches: in
     return total / batches
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--work", type=Path, required=True, help="folder for the tokenizer, token cache, state and log")
-    p.add_argument("--output", type=Path, default=None, help="where to write the trained checkpoint at the end")
-    p.add_argument("--minutes", type=float, default=100, help="training time budget (this run)")
-    p.add_argument("--steps", type=int, default=20000, help="schedule length in steps (cosine decay)")
+def training_arguments(description: str, minutes: float, steps: int, lr: float) -> argparse.ArgumentParser:
+    """The options every training script here takes (work folder, output, budget, schedule, batch shape, seed)."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--work", type=Path, required=True, help="folder for the token cache, state and log")
+    p.add_argument("--output", type=Path, default=None, help="where to write the checkpoint at the end (a new folder)")
+    p.add_argument("--minutes", type=float, default=minutes, help="training time budget (this run)")
+    p.add_argument("--steps", type=int, default=steps, help="schedule length in steps (cosine decay)")
     p.add_argument("--batch", type=int, default=8, help="sequences per step")
     p.add_argument("--length", type=int, default=256, help="tokens per sequence (several sliding windows)")
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--mtp-weight", type=float, default=0.5, help="weight of the MTP loss")
+    p.add_argument("--lr", type=float, default=lr, help="peak learning rate")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
-    args = p.parse_args()
-    torch.set_num_threads(args.threads)
-    args.work.mkdir(parents=True, exist_ok=True)
-    log = open(args.work / "train.log", "a")
+    return p
+
+
+def training_log(work: Path) -> Callable[[str], None]:
+    """say(msg): print a line (beside a tqdm bar, if any) and append it to WORK/train.log."""
+    work.mkdir(parents=True, exist_ok=True)
+    log = open(work / "train.log", "a")
 
     def say(msg: str) -> None:
-        print(msg, flush=True)
+        tqdm.write(msg)
         log.write(msg + "\n")
         log.flush()
+
+    return say
+
+
+def cosine_lr(step: int, steps: int, peak: float, warmup: int) -> float:
+    """Linear warm-up over `warmup` steps, then cosine decay to zero at `steps`."""
+    return peak * 0.5 * (1 + math.cos(math.pi * step / steps)) * min(1.0, (step + 1) / warmup)
+
+
+def main() -> None:
+    p = training_arguments(__doc__.splitlines()[0], minutes=100, steps=20000, lr=2e-3)
+    p.add_argument("--mtp-weight", type=float, default=0.5, help="weight of the MTP loss")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    say = training_log(args.work)
 
     train_files, held_files = stdlib_split()
     tokenizer = train_tokenizer(train_files, args.work / "tokenizer.json", CONFIG["vocab_size"])
@@ -144,7 +164,7 @@ def main() -> None:
     started, last_save = time.time(), time.time()
     model.train()
     while step < args.steps and time.time() - started < args.minutes * 60:
-        lr = args.lr * 0.5 * (1 + math.cos(math.pi * step / args.steps)) * min(1.0, (step + 1) / 200)
+        lr = cosine_lr(step, args.steps, args.lr, warmup=200)
         for group in optimizer.param_groups:
             group["lr"] = lr
         starts = rng.integers(0, len(train) - args.length - 1, args.batch)

@@ -168,12 +168,12 @@ def exported_graph(cfg: V4Config, stage: Stage | None, options: BuildOptions, dr
     is_draft = stage is None
     cfg = exported_config(cfg)
     key = (json.dumps(cfg.to_dict(), sort_keys=True), stage, draft.method if draft else None, options.dtype,
-           options.max_batch, options.max_seq_len, options.mtp if is_draft else 0, static and is_draft)
+           options.mtp if is_draft else 0, static and is_draft)
 
     def export() -> bytes:
-        limits = {"dtype": DTYPES[options.dtype], "max_batch": options.max_batch, "max_seq_len": options.max_seq_len}
-        model = export_draft(cfg, draft, options.mtp, conditional=not static, **limits) if is_draft \
-            else export_target(cfg, stage=stage, draft=draft, **limits)
+        dtype = DTYPES[options.dtype]
+        model = export_draft(cfg, draft, options.mtp, dtype, conditional=not static) if is_draft \
+            else export_target(cfg, dtype, stage=stage, draft=draft)
         proto = serialize_without_data(model)
         split_sequences(proto.graph)
         return proto.SerializeToString()

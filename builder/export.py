@@ -29,6 +29,7 @@ from torch.export import Dim
 
 from v4engine.contract.config import SLIDING, V4Config
 from v4engine.contract.drafting import DraftSpec
+from v4engine.contract.engine import MAX_BATCH
 from v4engine.contract.layout import CAPTURED, CAPTURED_IN, STAGE_INPUT, STREAMS, CacheGroup, CacheLayout, TensorSpec, target_specs
 from v4engine.contract.stages import Stage, single_stage
 from v4engine.plugins import OPSET
@@ -122,8 +123,8 @@ def rope_table(cfg: V4Config, initializer: str) -> torch.Tensor | None:
     return inv_freq(cfg.rope(kind))
 
 
-def export_target(cfg: V4Config, dtype: torch.dtype = torch.float32, max_batch: int = 64, max_seq_len: int = 4096,
-                  stage: Stage | None = None, draft: DraftSpec | None = None) -> ir.Model:
+def export_target(cfg: V4Config, dtype: torch.dtype = torch.float32, stage: Stage | None = None,
+                  draft: DraftSpec | None = None) -> ir.Model:
     """The target graph, or one pipeline stage of it (returning what `draft` reads of the last stage too), as an
     onnx_ir Model whose checkpoint initializers have no data yet (and which holds only the initializers it reads)."""
     stage = stage or single_stage(cfg.num_hidden_layers)[0]
@@ -133,12 +134,11 @@ def export_target(cfg: V4Config, dtype: torch.dtype = torch.float32, max_batch: 
         model = Transformer(cfg, mtp=False, layers=stage.layers).stack_experts().to_dtype(dtype).eval()
     inputs, outputs = target_specs(cfg, dtype_name, stage, *extra)
     layout = CacheLayout.target(cfg, layers=stage.layers)
-    return _export(_Graph(model, inputs, outputs, layout, _target_outputs(stage, layout, draft)), cfg, inputs, outputs,
-                   max_batch, max_seq_len)
+    return _export(_Graph(model, inputs, outputs, layout, _target_outputs(stage, layout, draft)), cfg, inputs, outputs)
 
 
-def export_draft(cfg: V4Config, draft: DraftSpec, k: int, dtype: torch.dtype = torch.float32, max_batch: int = 64,
-                 max_seq_len: int = 4096, conditional: bool = True) -> ir.Model:
+def export_draft(cfg: V4Config, draft: DraftSpec, k: int, dtype: torch.dtype = torch.float32,
+                 conditional: bool = True) -> ir.Model:
     """The draft graph of `draft`'s method, k drafts per call (`conditional=False`: without If nodes, for CUDA
     graphs; builder/model/drafting.py), as export_target's."""
     method = DRAFT_FORWARDS[draft.method]
@@ -150,13 +150,15 @@ def export_draft(cfg: V4Config, draft: DraftSpec, k: int, dtype: torch.dtype = t
     def forward(module: nn.Module, feeds: Feeds, caches: list[LayerCache]) -> Feeds:
         return method.forward(module, feeds, caches, layout.groups, conditional)
 
-    return _export(_Graph(model, inputs, outputs, layout, forward), cfg, inputs, outputs, max_batch, max_seq_len)
+    return _export(_Graph(model, inputs, outputs, layout, forward), cfg, inputs, outputs)
 
 
-def _export(graph: _Graph, cfg: V4Config, inputs: list[TensorSpec], outputs: list[TensorSpec], max_batch: int,
-            max_seq_len: int) -> ir.Model:
+def _export(graph: _Graph, cfg: V4Config, inputs: list[TensorSpec], outputs: list[TensorSpec]) -> ir.Model:
+    """The export, for every batch and length the limits allow (MAX_BATCH, max_position_embeddings): an engine's
+    own limits bound its sessions, not its graphs, so engines that differ only in limits share one export."""
+    max_seq_len = cfg.max_position_embeddings
     max_blocks = CacheLayout.target(cfg).table_blocks(max_seq_len)
-    dims = {"batch": Dim("batch", min=1, max=max_batch), "seq": Dim("seq", min=1, max=max_seq_len),
+    dims = {"batch": Dim("batch", min=1, max=MAX_BATCH), "seq": Dim("seq", min=1, max=max_seq_len),
             "blocks": Dim("blocks", min=0, max=max_blocks), "pool_slots": Dim("pool_slots", min=1),
             "pool_blocks": Dim("pool_blocks", min=1)}
     # Example sizes: none 0 or 1 (torch.export specializes those), and every ratio's emitted rows >= 2.

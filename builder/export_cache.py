@@ -1,7 +1,7 @@
 """Exports kept by what they depend on, so that building one model again skips the export.
 
 An export depends only on the model config, the graph (a target stage, or the draft graph of a drafting method),
-dtype, limits, k and whether the graph must be free of control flow: never on the weights. It costs tens of seconds
+dtype, k and whether the graph must be free of control flow: never on the weights. It costs tens of seconds
 per graph even for a tiny model (95% of a tiny build), so a process that builds one model again (another weight
 format or backend; the tests) takes it from this process's memory, and any process takes it from the folder named
 by V4ENGINE_EXPORT_CACHE when that is set (the test suite sets it for its workers and the CLIs they run). A cached

@@ -58,16 +58,17 @@ def test_force_never_replaces_a_file_or_a_link(checkpoint, tmp_path, kind):
 
 def test_force_replaces_an_engine_of_ours_and_only_as_it_was_built(checkpoint, tmp_path):
     out = tmp_path / "out"
-    assert v4build("--checkpoint", checkpoint, "--output", out, "--mtp", "0", "--quiet").returncode == 0
+    build = ("--checkpoint", checkpoint, "--output", out, "--mtp", "3", "--quiet")     # test_engine.py's exports
+    assert v4build(*build).returncode == 0
     (out / "weights" / "notes.txt").write_text("mine now")          # anything but what a build writes
     before = snapshot(out)
-    assert_one_line(v4build("--checkpoint", checkpoint, "--output", out, "--mtp", "1", "--quiet", "--force"),
+    assert_one_line(v4build(*build, "--max-batch", "4", "--force"),
                     "holds weights/notes.txt, which is not part of an engine folder")
     assert snapshot(out) == before
     (out / "weights" / "notes.txt").unlink()
-    result = v4build("--checkpoint", checkpoint, "--output", out, "--mtp", "1", "--quiet", "--force")
+    result = v4build(*build, "--max-batch", "4", "--force")
     assert result.returncode == 0, result.stderr
-    assert json.loads((out / "engine.json").read_text())["mtp"] == 1
+    assert json.loads((out / "engine.json").read_text())["build"]["max_batch"] == 4
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"], "no staging folder, lock or old engine left"
 
 

@@ -111,7 +111,7 @@ class VerifyPlanner:
         """Whether this step's decoding rows draft: yes when drafting pays by each row's survivals at its last draft (a
         row never drafted: the last draft's mean; before any draft: yes); otherwise only to probe, after `interval`
         steps without (probe_every at first, doubled after each probe that did not pay, up to probe_at_most_every:
-        a probe costs a draft cycle that catches up on every position since the last)."""
+        a probe costs a draft cycle that catches up on the positions since the last, up to a ring's rows)."""
         if not requests:
             return False
         estimates = [r.survival if r.survival is not None else self.typical for r in requests]

@@ -9,7 +9,8 @@ numbers from the request's own generator, returning the distributions they were 
 samples may ask for greedy drafts (`draft_sample_method="greedy"`, vLLM's option): the graph then takes the
 argmax and its one-hot distribution, and acceptance stays lossless.
 
-Per request it keeps the rows it has not fed yet (`pending`) and, while prefix snapshots are taken, the rows of
+Per request it keeps the rows it has not fed yet (`pending`; of those a cycle feeds only as many as its rings
+hold) and, while prefix snapshots are taken, the rows of
 the last `snapshot_rows` prefill positions: a fork recomputes exactly the rings it reads from those
 (runtime/prefix_cache.py).
 """
@@ -122,7 +123,7 @@ class GraphDrafter(Drafter):
         when those are longer than a prefill chunk). Each request keeps its own num_draft_tokens of the graph's k."""
         if not requests:
             return 0.0
-        rows = {r.id: np.concatenate(r.draft_state.pending) for r in requests}
+        rows = {r.id: self._catch_up(r) for r in requests}
         engine, chunk = 0.0, self.chunk
         groups = self.parts[self.spec.graph].groups
         for start in range(0, max(len(rows[r.id]) for r in requests), chunk):      # in chunks, as the target
@@ -138,6 +139,19 @@ class GraphDrafter(Drafter):
         for r in requests:
             r.draft_state.pending = []
         return engine
+
+    def _catch_up(self, request: Any) -> np.ndarray:
+        """The rows of the positions this cycle feeds: those pending, less those no draft reads again. A ring of R
+        rows holds the R positions before the one a row is computed at, and a ring row is its own position's: fed
+        the last R + 1 rows, the cycle's last row reads only rows computed in it, and its commit (which writes only
+        the last R positions of a call anyway, cache.py) leaves the rings exactly as if every row were fed. After a
+        prompt, or the steps a planner did not draft, that is up to max_seq_len rows fewer."""
+        state: GraphDraftState = request.draft_state
+        rows = np.concatenate(state.pending)
+        layout = state.cache.pool.layout
+        skip = 0 if layout.paged else max(0, len(rows) - max(g.rows_fixed for g in layout.groups) - 1)
+        state.cache.length += skip
+        return rows[skip:]
 
     def _call(self, requests: list[Any], parts: list[np.ndarray], drafting: list[bool]
               ) -> tuple[dict[str, np.ndarray], float]:

@@ -82,7 +82,7 @@ def _triton_repo(args: argparse.Namespace) -> None:
     gpus = gpu_list(args.gpus, "--gpus") if args.gpus is not None else []
     out = render(args.engine_dir, args.out, gpu=args.gpu, max_batch=args.max_batch,
                  max_queue_size=args.max_queue_size, instance_count=args.instance_count, gpus=gpus,
-                 drafter=args.drafter, mtp=args.mtp, force=args.force,
+                 drafter=args.drafter, mtp=args.mtp, force=args.force, report_prefix_hits=args.report_prefix_hits,
                  confidence_scheduling={"auto": None, "on": True, "off": False}[args.confidence_scheduling])
     where = f"GPUs {args.gpus}" if gpus else "GPU" if args.gpu else "CPU"
     print(f"wrote the Triton model repository for {args.engine_dir} to {out} "
@@ -264,6 +264,9 @@ def tools_parser() -> argparse.ArgumentParser:
     r.add_argument("--confidence-scheduling", choices=["auto", "on", "off"], default="auto", help="v4_generate "
                    "verifies only the drafts that pay and skips draft cycles that do not (needs DSpark's confidence "
                    "head); auto (default): on for DSpark, off otherwise")
+    r.add_argument("--report-prefix-hits", action="store_true", help="each response's metrics name the prompt "
+                   "tokens its request took from the prefix cache (default: only the Prometheus total "
+                   "v4_prefix_hit_tokens_total, so that one client cannot learn whether another sent a prompt)")
     r.add_argument("--force", action="store_true", help="replace OUT if it is a model repository")
     r.set_defaults(run=_triton_repo)
     return p

@@ -26,7 +26,7 @@ from v4engine.contract.staging import check_destination
 from .checkpoint import FP8_BLOCK, FP8_QUANTIZATION_CONFIG, MXFP4_BLOCK, dtype_bytes
 from .model import Transformer
 from .model.dspark import DSpark
-from .tiny import CHECKPOINT_FOLDER, stored_form, write_checkpoint_folder
+from .tiny import CHECKPOINT_FOLDER, check_shards, stored_form, write_checkpoint_folder
 
 _FLASH: dict[str, Any] = {
     "model_type": "deepseek_v4", "architectures": ["DeepseekV4ForCausalLM"], "torch_dtype": "bfloat16",
@@ -119,6 +119,8 @@ def write_release_checkpoint(out: str | Path, release: str = "v4-flash", shards:
     if release not in RELEASES:
         raise ConfigError(f"unknown release {release!r}; choose one of {sorted(RELEASES)}")
     raw, release_shards, _ = RELEASES[release]
+    if shards is not None:
+        check_shards(shards)
     check_destination(Path(out), force, CHECKPOINT_FOLDER)      # before any work
     tensors = release_tensors(raw)
     return write_checkpoint_folder(out, raw, list(tensors), shards or release_shards,

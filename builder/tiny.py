@@ -225,6 +225,15 @@ def stored_tensors(model: nn.Module, dtype: torch.dtype, quantize: str | None, s
     return out
 
 
+MAX_SHARDS = 64
+
+
+def check_shards(shards: object) -> None:
+    """A checkpoint writer's shard count: 0 or -1 must not quietly mean one."""
+    if not (isinstance(shards, int) and not isinstance(shards, bool) and 1 <= shards <= MAX_SHARDS):
+        raise ConfigError(f"shards must be an integer from 1 to {MAX_SHARDS} (got {shards!r})")
+
+
 def make_tiny(out: str | Path, config: str = "mixed", seed: int = 0, quantize: str | None = None,
               names: str = "official", dtype: str = "float32", shards: int = 2, mtp: bool = True,
               agree: float | None = None, force: bool = False, drafter: str = "mtp") -> Path:
@@ -235,6 +244,9 @@ def make_tiny(out: str | Path, config: str = "mixed", seed: int = 0, quantize: s
         raise ConfigError(f"unknown tiny config {config!r}; choose one of {sorted(CONFIGS)}")
     if drafter not in DRAFTERS:
         raise ConfigError(f"unknown drafter {drafter!r}; choose one of {list(DRAFTERS)}")
+    check_shards(shards)
+    if agree is not None and not (isinstance(agree, (int, float)) and 0 < agree <= 1):
+        raise ConfigError(f"agree must be a number above 0 and at most 1 (got {agree!r})")
     check_destination(Path(out), force, CHECKPOINT_FOLDER)      # before any work
     raw = dict(CONFIGS[config], torch_dtype=dtype)
     if drafter == "dspark":

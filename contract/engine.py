@@ -23,6 +23,7 @@ from .engine_folder import MANIFEST, EngineFolder, EngineFormatError, WeightFile
 from .errors import ConfigError
 from .drafting import DRAFT_SPECS, DraftSpec
 from .layout import CacheGroup, CacheLayout, TensorSpec, target_specs
+from .profiles import MAX_DIM
 from .stages import TARGET, Stage
 from .untrusted import JsonFields, parse_json, shown
 
@@ -207,8 +208,35 @@ class EngineManifest:
             tools=field.get("tools", dict, {}), build=build, compiled=compiled)
         check_limits({name: manifest.build.get(name, default) for name, default in BUILT_LIMIT_DEFAULTS.items()},
                      model, f"{path}: field 'build'")
+        manifest._check_profiles(path)
         manifest._check_files(folder)
         return manifest
+
+    def dim_bounds(self) -> dict[str, int]:
+        """The largest value each dynamic dimension of a call takes within the engine's build limits (what
+        builder/backends/profiles.py records at most)."""
+        limits = self.limits
+        blocks = self.caches[TARGET].table_blocks(limits["max_seq_len"])
+        return {"batch": limits["max_batch"], "seq": max(limits["max_prefill_chunk"], self.mtp + 1), "blocks": blocks,
+                "pool_slots": limits["max_batch"], "pool_blocks": limits["max_batch"] * blocks}
+
+    def _check_profiles(self, path: Path) -> None:
+        """Every recorded profile within the engine's own limits: static buffers (CUDA graphs, MIGraphX's pools)
+        are sized from them, so a hostile engine.json cannot size one beyond what its limits allow."""
+        profiles = getattr(self.compiled, "profiles", None) or {}
+        bounds = self.dim_bounds()
+        for graph, graph_profiles in profiles.items():
+            for profile in graph_profiles:
+                for spec in self.graphs[graph].inputs:
+                    if spec.name not in profile.shapes:
+                        continue
+                    for axis, dim in enumerate(spec.shape):
+                        low, high = (dim, dim) if isinstance(dim, int) else (0, bounds.get(dim, MAX_DIM))
+                        if not all(low <= shape[axis] <= high for shape in profile.shapes[spec.name]):
+                            raise EngineFormatError(
+                                f"{path}: field 'build.compile.profiles.{graph}' profile {profile.name}: input "
+                                f"{spec.name} axis {axis} ({dim}) must be from {low} to {high}, within the engine's "
+                                f"limits (got {[shape[axis] for shape in profile.shapes[spec.name]]})")
 
     def _check_files(self, folder: EngineFolder) -> None:
         """Every file engine.json names is a file in the folder (or the checkpoint file a weights link recorded)."""

@@ -22,6 +22,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -115,14 +116,16 @@ def staged_folder(out: Path, tag: str, force: bool = False, ours: Ours = NOTHING
             (tmp / OWNER).write_text(json.dumps(_me()))
             yield tmp
             tmp.chmod(0o755)                                  # mkdtemp made it private
-            _replace(out, tmp)
+            _replace(out, tmp, ours)
             (out / OWNER).unlink()                            # owned until it is in place: never an orphan
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _replace(out: Path, new: Path) -> None:
+def _replace(out: Path, new: Path, ours: Ours) -> None:
+    """`new` in place of `out`. The old `out` is set aside first and checked again there, where no one adds to it:
+    a file someone put into it since check_destination keeps it from being deleted."""
     if not os.path.lexists(out):
         new.rename(out)
         return
@@ -130,12 +133,17 @@ def _replace(out: Path, new: Path) -> None:
     (aside / OWNER).write_text(json.dumps(_me()))        # removed by a later writer if this one dies mid-way
     out.rename(aside / "old")
     try:
+        problem = ours.problem(aside / "old")
+        if problem is not None:
+            raise StagingError(f"{out}: {problem} (added while this one was written), so it is left alone and the "
+                               "new one is not put in its place")
         new.rename(out)
     except BaseException:                                # interrupted between the renames: the old one goes back
         (aside / "old").rename(out)
         raise
     finally:
-        shutil.rmtree(aside, ignore_errors=True)
+        shutil.rmtree(aside / "old", ignore_errors=True)  # the owner record last: a writer killed here leaves a
+        shutil.rmtree(aside, ignore_errors=True)          # folder that the next one sees as dead and removes
 
 
 def remove_dead_staging(out: Path) -> list[Path]:
@@ -198,11 +206,17 @@ def _lock(out: Path) -> Iterator[None]:
     path = out.parent / f".{out.name}.lock"
     while True:
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
         except FileNotFoundError:
             raise StagingError(f"{out.parent}: the folder for {out.name} does not exist") from None
         except OSError as e:
             raise StagingError(f"{path}: cannot take the lock ({e.strerror})") from None
+        info = os.fstat(fd)
+        wrong = "not a regular file" if not stat.S_ISREG(info.st_mode) else \
+            "a hard link" if info.st_nlink != 1 else None       # never truncate what another name reaches
+        if wrong:
+            os.close(fd)
+            raise StagingError(f"{path}: is {wrong}, not a lock file of ours; remove it and build again")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from v4engine.contract.errors import V4EngineError
 from v4engine.contract.stages import gpu_list
+from v4engine.contract.untrusted import first_line
 
 from .detokenize import IncrementalDetokenizer
 from .drafters import DRAFTERS
@@ -66,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:
         return run(args)
     except V4EngineError as e:
         print(f"v4generate: error: {e}", file=sys.stderr)
+        return 1
+    except MemoryError as e:      # an allocation beyond what the process may take (`ulimit -v`, a cgroup)
+        print(f"v4generate: error: out of memory ({type(e).__name__}: {first_line(e)}); give the process more "
+              "memory, or build the engine for a smaller --max-batch or --max-seq-len", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("v4generate: interrupted", file=sys.stderr)

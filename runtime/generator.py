@@ -48,13 +48,35 @@ def load_tokenizer(engine_dir: str | Path):
     data = folder.read_bytes(TOKENIZER, "tokenizer", "tokenizer")
     try:
         return Tokenizer.from_str(data.decode("utf-8"))
-    except Exception as e:      # noqa: BLE001 - the tokenizers library raises plain Exceptions
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:      # noqa: BLE001 - plain Exceptions, or a Rust panic (a BaseException)
         raise EngineFormatError(f"{folder.directory / TOKENIZER}: not a tokenizer file ({first_line(e)})") from None
 
 
-def encode_text(tokenizer, text: str) -> list[int]:
-    """A prompt's token ids: the text as it is, no special tokens added (the prompt says what it holds)."""
-    return tokenizer.encode(text, add_special_tokens=False).ids
+def longest_prompt_bytes(tokenizer, max_tokens: int) -> int:
+    """The most UTF-8 bytes a text of at most `max_tokens` tokens can hold (each token is at most the longest
+    entry of the vocabulary): a longer text is refused before it is tokenized, which takes seconds for megabytes.
+    Exact for tokenizers whose tokens each cover their own characters (byte-level BPE, V4's; the tiny models'
+    characters); not for a normalizer that drops characters or a word-level model's <unk>."""
+    return max_tokens * max(len(token.encode("utf-8")) for token in tokenizer.get_vocab(with_added_tokens=True))
+
+
+def encode_text(tokenizer, text: str, max_bytes: int | None = None) -> list[int]:
+    """A prompt's token ids: the text as it is, no special tokens added (the prompt says what it holds).
+    RequestError when it holds more than `max_bytes` (longest_prompt_bytes), and when the tokenizer fails on it: a
+    tokenizer.json's regex can give up on a text (Oniguruma's retry limit), which the tokenizers library raises as
+    a Rust panic, a BaseException that `except Exception` (Triton's too) would miss."""
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if max_bytes is not None and size > max_bytes:
+        raise RequestError(f"the prompt text has {size} bytes, more than a prompt this engine serves can hold "
+                           f"({max_bytes})")
+    try:
+        return tokenizer.encode(text, add_special_tokens=False).ids
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:      # noqa: BLE001
+        raise RequestError(f"the engine's tokenizer.json failed on this prompt ({first_line(e)})") from None
 
 
 def drafter_tokens(manifest: EngineManifest, name: str | None, mtp: object, max_prefill_chunk: int, source: str
@@ -103,6 +125,7 @@ class Generator:
         self._lock = threading.RLock()          # re-entrant for `cancel` during a step on the same thread
         self._stepping = False
         self._cancelled_in_step: list[Request] = []
+        self._prompt_bytes: int | None = None        # longest_prompt_bytes, once a text prompt comes
 
     @classmethod
     def from_engine_dir(cls, path: str | Path, *, drafter: str | None = None, mtp: int | None = None,
@@ -184,7 +207,9 @@ class Generator:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError(f"{self.engine_dir} has no tokenizer.json; pass token ids instead of text")
-            return encode_text(self.tokenizer, prompt)
+            if self._prompt_bytes is None:
+                self._prompt_bytes = longest_prompt_bytes(self.tokenizer, self.scheduler.max_seq_len - 1)
+            return encode_text(self.tokenizer, prompt, self._prompt_bytes)
         if not isinstance(prompt, (Sequence, np.ndarray)):
             raise RequestError(f"a prompt is text or token ids (got {reprlib.repr(prompt)})")
         for t in prompt:
@@ -215,6 +240,7 @@ class Generator:
         A stream that the garbage collector closes during a step on this very thread (the lock is re-entrant)
         must not change the scheduler in mid-step: its request ends right after the step."""
         with self._lock:
+            self.scheduler.check_owned(request)
             if self._stepping:
                 self._cancelled_in_step.append(request)
             else:

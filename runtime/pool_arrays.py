@@ -15,6 +15,8 @@ torch is imported only by DeviceArrays: the runtime's CPU path never needs it.
 from __future__ import annotations
 
 import os
+import resource
+from pathlib import Path
 from typing import Any
 
 import ml_dtypes
@@ -45,8 +47,22 @@ def to_torch(array: np.ndarray) -> Any:
 
 
 def host_memory() -> int:
-    """Bytes of memory this machine has (its physical pages)."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    """Bytes of host memory this process may take: the machine's physical memory, or less where the process is held
+    to less: its address-space limit (`ulimit -v`), less what it maps already, or its cgroup's memory.max."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    limits = [page * os.sysconf("SC_PHYS_PAGES")]
+    address_space, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if address_space != resource.RLIM_INFINITY:
+        try:
+            mapped = int(Path("/proc/self/statm").read_text().split()[0]) * page
+        except (OSError, ValueError, IndexError):
+            mapped = 0
+        limits.append(max(0, address_space - mapped))
+    try:
+        limits.append(int(Path("/sys/fs/cgroup/memory.max").read_text()))   # "max" when unlimited
+    except (OSError, ValueError):
+        pass
+    return min(limits)
 
 
 class HostArrays:

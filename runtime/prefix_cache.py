@@ -15,7 +15,8 @@ tokens[:P] exactly:
   recomputes exactly the draft window it reads, from P - (W - 1) on.
 A request that forks at P runs exactly the tokens of a cold run from P on. Entries are found through a chain of
 block hashes (blake2b) of their full blocks, confirmed token by token, and evicted least recently used: when the
-pool needs blocks, or when the snapshots' own bytes pass their cap.
+pool needs blocks, or when the snapshots' own bytes pass their cap. A request's `cache_salt` (SamplingParams)
+starts the chain and is part of every entry's identity: requests of different salts never share an entry.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from .cache import CachePool, PoolExhausted, SequenceCache
 
 @dataclass
 class PrefixEntry:
+    salt: str                            # the cache_salt of the request it was taken from ("" for none)
     tokens: tuple[int, ...]
     blocks: list[int]                    # target blocks with rows of positions [0, P), one reference held here
     rings: dict[str, Any]                # the target's rings at P, by pool name (where the pools are)
@@ -51,43 +53,44 @@ class PrefixCache:
     def __init__(self, pool: CachePool, max_bytes: int):
         self.pool, self.max_bytes = pool, max_bytes
         self.block_tokens = pool.layout.block_tokens
-        self.entries: OrderedDict[tuple[int, ...], PrefixEntry] = OrderedDict()   # by tokens, oldest use first
+        self.entries: OrderedDict[tuple, PrefixEntry] = OrderedDict()   # by (salt, tokens), oldest use first
         self.by_blocks: dict[bytes, list[PrefixEntry]] = {}      # by the hash of their full blocks
         self.nbytes = 0
 
-    def _keys(self, tokens: list[int], blocks: int) -> list[bytes]:
-        """The chained hash of tokens[:i * block_tokens] for i = 0..blocks."""
-        keys, bt = [b""], self.block_tokens
+    def _keys(self, salt: str, tokens: list[int], blocks: int) -> list[bytes]:
+        """The chained hash of the salt and tokens[:i * block_tokens] for i = 0..blocks."""
+        keys, bt = [hashlib.blake2b(salt.encode(), digest_size=16).digest() if salt else b""], self.block_tokens
         data = np.asarray(tokens[: blocks * bt], np.int64)
         for i in range(blocks):
             keys.append(hashlib.blake2b(keys[-1] + data[i * bt:(i + 1) * bt].tobytes(), digest_size=16).digest())
         return keys
 
-    def lookup(self, tokens: list[int], limit: int) -> PrefixEntry | None:
-        """The longest entry that `tokens` starts with, of at most `limit` positions (most recently used now)."""
-        for key in reversed(self._keys(tokens, limit // self.block_tokens)):
-            found = [e for e in self.by_blocks.get(key, ()) if e.length <= limit
+    def lookup(self, tokens: list[int], limit: int, salt: str = "") -> PrefixEntry | None:
+        """The longest entry of `salt` that `tokens` starts with, of at most `limit` positions (most recently used
+        now)."""
+        for key in reversed(self._keys(salt, tokens, limit // self.block_tokens)):
+            found = [e for e in self.by_blocks.get(key, ()) if e.length <= limit and e.salt == salt
                      and tuple(tokens[: e.length]) == e.tokens]
             if found:
                 entry = max(found, key=lambda e: e.length)
-                self.entries.move_to_end(entry.tokens)
+                self.entries.move_to_end((entry.salt, entry.tokens))
                 return entry
         return None
 
-    def insert(self, tokens: list[int], cache: SequenceCache, draft: np.ndarray | None) -> None:
-        """Remember `cache` (the target's) as the state after tokens[:cache.length], with a copy of the drafter's
-        snapshot there (None: it needs none)."""
+    def insert(self, tokens: list[int], cache: SequenceCache, draft: np.ndarray | None, salt: str = "") -> None:
+        """Remember `cache` (the target's) as the state after tokens[:cache.length] for requests of `salt`, with a
+        copy of the drafter's snapshot there (None: it needs none)."""
         length = cache.length
-        key = tuple(tokens[:length])
+        key = (salt, tuple(tokens[:length]))
         if length == 0 or key in self.entries:
             return
         blocks = cache.blocks[: self.pool.layout.blocks_for(length)]
-        entry = PrefixEntry(key, blocks, cache.ring_rows(), draft.copy() if draft is not None else None)
+        entry = PrefixEntry(salt, key[1], blocks, cache.ring_rows(), draft.copy() if draft is not None else None)
         if entry.nbytes > self.max_bytes:
             return
         self.pool.share(blocks)
         self.entries[key] = entry
-        self.by_blocks.setdefault(self._keys(tokens, length // self.block_tokens)[-1], []).append(entry)
+        self.by_blocks.setdefault(self._keys(salt, tokens, length // self.block_tokens)[-1], []).append(entry)
         self.nbytes += entry.nbytes
         while self.nbytes > self.max_bytes:
             self.evict_one()
@@ -97,7 +100,7 @@ class PrefixCache:
         for key, entry in self.entries.items():
             if entry is not keep:
                 del self.entries[key]
-                base = self._keys(list(key), len(key) // self.block_tokens)[-1]
+                base = self._keys(entry.salt, list(entry.tokens), entry.length // self.block_tokens)[-1]
                 self.by_blocks[base].remove(entry)
                 if not self.by_blocks[base]:
                     del self.by_blocks[base]

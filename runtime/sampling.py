@@ -20,6 +20,7 @@ from v4engine.contract.errors import V4EngineError
 MAX_STOP_STRINGS = 16            # stop strings per request
 MAX_STOP_LENGTH = 256            # characters per stop string
 MAX_SEED = 2**64 - 1
+MAX_CACHE_SALT = 256             # characters of a cache_salt
 
 
 class RequestError(V4EngineError):
@@ -70,6 +71,9 @@ class SamplingParams:
                       (from the draft model's distribution at the request's settings) or "greedy" (its argmax, a
                       one-hot distribution; vLLM's option of the same name); None: the Generator's default
                       (probabilistic unless opened with another). Acceptance is lossless either way
+    cache_salt        None or a string of at most MAX_CACHE_SALT (256) characters that keys the prefix cache
+                      (vLLM's field): requests of different salts never share an entry, so a tenant cannot learn
+                      from timing whether another one sent a prompt. Not a sampling setting, but per request
 
     Refused: inf or NaN anywhere, bools for numbers, numbers given as text, a single string for `stop`.
     """
@@ -84,6 +88,7 @@ class SamplingParams:
     ignore_eos: bool = False
     num_draft_tokens: int | None = None
     draft_sample_method: str | None = None
+    cache_salt: str | None = None
 
     def validate(self) -> None:
         if not is_integer(self.max_new_tokens) or self.max_new_tokens <= 0:
@@ -107,6 +112,10 @@ class SamplingParams:
         if self.draft_sample_method is not None and self.draft_sample_method not in DRAFT_SAMPLE_METHODS:
             raise RequestError(f"draft_sample_method must be one of {', '.join(DRAFT_SAMPLE_METHODS)} "
                                f"(got {reprlib.repr(self.draft_sample_method)})")
+        if self.cache_salt is not None and not (isinstance(self.cache_salt, str)
+                                                and len(self.cache_salt) <= MAX_CACHE_SALT):
+            raise RequestError(f"cache_salt must be a string of at most {MAX_CACHE_SALT} characters "
+                               f"(got {reprlib.repr(self.cache_salt)})")
 
     @property
     def greedy(self) -> bool:

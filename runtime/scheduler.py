@@ -59,6 +59,15 @@ class Phase(Enum):
     FINISHED = "finished"
 
 
+def finite(logits: np.ndarray, r: "Request") -> np.ndarray:
+    """`logits` when every value is finite; otherwise the step fails, naming the request: NaN or inf logits (broken
+    weights, an overflow) would decode as token 0, or the last id, forever."""
+    if not np.isfinite(logits).all():
+        raise V4EngineError(f"request {r.id}: the target's logits at position {r.target.length} are not finite (NaN "
+                            "or inf); the engine's weights or its numerics are broken")
+    return logits
+
+
 @dataclass(eq=False)                   # a request is itself: queues find it by identity
 class Request:
     id: int
@@ -189,9 +198,12 @@ class Scheduler:
         capacity = min(self.max_seq_len, len(prompt) + params.max_new_tokens + self.mtp + 1)
         need = self.cache_bytes(capacity, self.num_draft_tokens(params))
         blocks, pool_blocks = self.blocks_for(capacity), len(self.pools[TARGET].refs)
-        if need > self.budget or blocks > pool_blocks:
-            raise CapacityError(f"the request needs {need} bytes of cache ({blocks} blocks) for {capacity} tokens, "
-                                f"more than the budget of {self.budget} bytes ({pool_blocks} blocks)")
+        if need > self.budget:
+            raise CapacityError(f"the request needs {need} bytes of cache for {capacity} tokens, more than the "
+                                f"budget of {self.budget} bytes")
+        if blocks > pool_blocks:
+            raise CapacityError(f"the request needs {blocks} cache blocks for {capacity} tokens, more than the "
+                                f"{pool_blocks} the pool holds (within the budget of {self.budget} bytes)")
         return capacity
 
     def submit(self, prompt: list[int], params: SamplingParams) -> Request:
@@ -210,8 +222,15 @@ class Scheduler:
 
     def cancel(self, request: Request) -> None:
         """Stop a request now and release its caches (its batch slot frees at once). One that already ended
-        keeps its finish reason."""
+        keeps its finish reason. A request of another scheduler is refused: ending it here would free caches of
+        pools that are not this one's."""
+        self.check_owned(request)
         self._leave(request, "cancelled")
+
+    def check_owned(self, request: Request) -> None:
+        """RequestError unless `request` is this scheduler's or has ended."""
+        if request.finish_reason is None and request not in self.waiting and request not in self.active:
+            raise RequestError(f"request {request.id} is not one of this Generator's (cancel it through its own)")
 
     def _leave(self, request: Request, reason: str, error: BaseException | None = None) -> None:
         for queue in (self.waiting, self.active):
@@ -272,7 +291,8 @@ class Scheduler:
         while self.waiting and len(self.active) < self.max_batch:
             request = self.waiting[0]
             context = request.context
-            entry = self.prefix.lookup(context, len(context) - 1) if self.prefix is not None else None
+            entry = self.prefix.lookup(context, len(context) - 1, request.params.cache_salt or "") \
+                if self.prefix is not None else None
             shared = entry.length // self.prefix.block_tokens if entry is not None else 0   # full blocks only
             need = self.blocks_for(len(context) + 1) - shared
             if not self._free_blocks(promised + need, keep=entry):
@@ -380,7 +400,8 @@ class Scheduler:
         first token (not for a preempted request recomputing: its next token is already known)."""
         self._commit(r, out, b, n, prefill=True)
         if self.prefix is not None:
-            self.prefix.insert(r.context, r.target, self.drafter.snapshot(r) if self.drafter is not None else None)
+            self.prefix.insert(r.context, r.target, self.drafter.snapshot(r) if self.drafter is not None else None,
+                               r.params.cache_salt or "")
         if r.target.length == len(r.context):
             r.phase = Phase.DECODE
             if not r.generated:
@@ -391,7 +412,7 @@ class Scheduler:
         """Accept j of the drafts and one more token (greedy, or lossless rejection sampling against the
         distributions the drafts were drawn from); commit the j + 1 positions whose inputs were right."""
         drafts = r.proposal.tokens
-        logits = out["logits"][b, : len(drafts) + 1]                                      # [j + 1, V]
+        logits = finite(out["logits"][b, : len(drafts) + 1], r)                           # [j + 1, V]
         if r.params.greedy:
             accepted, token = accept_greedy(logits, drafts)
         else:
@@ -410,6 +431,7 @@ class Scheduler:
             self.drafter.observe(r, {name: out[name][b] for name in self.drafter.reads}, n, prefill)
 
     def _sample(self, r: Request, logits: np.ndarray) -> int:
+        finite(logits, r)
         if r.params.greedy:
             return int(logits.argmax())
         return draw(distribution(logits, r.params), r.rng)

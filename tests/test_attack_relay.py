@@ -10,6 +10,7 @@ no relay folder, and /dev/shm keeps nothing of a stopped server.
 """
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import queue
@@ -258,9 +259,24 @@ def shm_regions(prefix: str) -> list[str]:
     return [p.name for p in SHM.iterdir() if p.name.startswith(prefix)]
 
 
-@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGKILL],
-                         ids=lambda s: s.name)
-def test_stopping_serve_py_ends_every_child_and_frees_shared_memory(trained_engine, tmp_path, stop, untouched):
+def live_stream(http_url: str) -> http.client.HTTPConnection:
+    """A streaming request that has begun answering and would go on for a long while."""
+    connection = http.client.HTTPConnection(http_url, timeout=60)
+    connection.request("POST", "/v2/models/ensemble/generate_stream",
+                       json.dumps({"text_input": "def fib(n):", "max_tokens": 1500, "ignore_eos": True,
+                                   "stream": True}))
+    answer = connection.getresponse()
+    assert answer.status == 200 and answer.fp.readline().startswith(b"data:")
+    return connection
+
+
+@pytest.mark.parametrize("stop, streams", [(signal.SIGTERM, 0), (signal.SIGINT, 0), (signal.SIGHUP, 0),
+                                           (signal.SIGKILL, 0), (signal.SIGKILL, 2)],
+                         ids=["SIGTERM", "SIGINT", "SIGHUP", "SIGKILL", "SIGKILL-under-load"])
+def test_stopping_serve_py_ends_every_child_and_frees_shared_memory(trained_engine, tmp_path, stop, streams,
+                                                                   untouched):
+    """Under load, tritonserver (SIGTERM from its launcher's death) exits after its exit timeout without its stubs,
+    which then end themselves and the group (models/io.py die_with_server)."""
     if not (ENV / "bin" / "python").is_file():
         pytest.fail(f"{ENV}: no serving environment; `make triton-env` makes it (`make test` does)")
     launcher = subprocess.Popen([sys.executable, str(ROOT / "examples" / "triton" / "serve.py"), str(trained_engine),
@@ -276,13 +292,17 @@ def test_stopping_serve_py_ends_every_child_and_frees_shared_memory(trained_engi
                       .split(b"\0") if v.startswith(b"TMPDIR=")]
         assert len(group_processes(server)) == 4, "tritonserver and the stubs of its three Python models"
         assert len(shm_regions(prefix)) == 3
+        http_url = json.loads((tmp_path / "server.json").read_text())["http"]
+        connections = [live_stream(http_url) for _ in range(streams)]
         launcher.send_signal(stop)
         launcher.wait(120)
         wait_for(lambda: not group_processes(server), what="tritonserver and its stubs to end", timeout=60)
         assert shm_regions(prefix) == []
-        if stop == signal.SIGKILL:          # tritonserver's own stop removed the relay's socket; only the
-            assert not list(temp_dir.glob("v4engine-cancel-*"))        # launcher could remove the folder
-            shutil.rmtree(temp_dir)
+        if stop == signal.SIGKILL:          # tritonserver's own stop (or its stubs) removed the relay's socket;
+            assert not list(temp_dir.glob("v4engine-cancel-*"))   # the folder only the stubs of a loaded one
+            shutil.rmtree(temp_dir, ignore_errors=True)
+        for connection in connections:
+            connection.close()
         assert launcher.returncode == (-stop if stop == signal.SIGKILL else 0) and not temp_dir.exists()
     finally:
         if launcher.poll() is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -136,3 +137,70 @@ def test_a_complete_output_whose_writer_died_before_unmarking_it_is_kept(tmp_pat
     (out / staging.OWNER).write_text(json.dumps(staging._me() | {"start": "0"}))
     assert staging.remove_dead_staging(out) == []
     assert sorted(p.name for p in out.iterdir()) == ["engine.json"]
+
+
+# ------------------------------------------------------------------ the lock and the replace, attacked
+ENGINE = staging.Ours("an engine", "engine.json", lambda entry: str(entry) in ("engine.json", "graph.onnx"))
+
+
+def an_engine(folder: Path, content: str) -> Path:
+    folder.mkdir()
+    for name in ("engine.json", "graph.onnx"):
+        (folder / name).write_text(content)
+    return folder
+
+
+@pytest.mark.parametrize("kind", ["hard link", "fifo"])
+def test_a_lock_path_that_is_not_a_lock_file_of_ours_is_refused_and_left_as_it_is(tmp_path, kind):
+    """A hard link would have the build truncate and write the file it links to; a FIFO is not a lock at all."""
+    out, lock = tmp_path / "out", tmp_path / ".out.lock"
+    victim = tmp_path / "victim"
+    if kind == "hard link":
+        victim.write_text("precious")
+        os.link(victim, lock)
+    else:
+        os.mkfifo(lock)
+    with pytest.raises(staging.StagingError) as refusal:
+        with staging.staged_folder(out, "building"):
+            pass
+    assert str(lock) in str(refusal.value) and "not a lock file of ours" in str(refusal.value)
+    assert "\n" not in str(refusal.value) and not out.exists()
+    if kind == "hard link":
+        assert victim.read_text() == "precious"
+
+
+def test_a_file_added_to_the_old_engine_during_a_force_rebuild_keeps_it(tmp_path):
+    out = an_engine(tmp_path / "out", "old")
+    with pytest.raises(staging.StagingError, match="holds notes.txt.*left alone"):
+        with staging.staged_folder(out, "building", force=True, ours=ENGINE) as tmp:
+            an_engine(tmp / "x", "new")
+            for name in ("engine.json", "graph.onnx"):
+                (tmp / "x" / name).rename(tmp / name)
+            (tmp / "x").rmdir()
+            (out / "notes.txt").write_text("mine")           # a user's file, while the new one is written
+    assert (out / "notes.txt").read_text() == "mine" and (out / "engine.json").read_text() == "old"
+    assert leftovers(out) == ["out"]
+
+
+def test_a_writer_killed_while_deleting_the_old_engine_leaves_a_folder_the_next_one_removes(tmp_path, monkeypatch):
+    """The set-aside folder's owner record is deleted last: killed during the deletion (here: while deleting the
+    old engine), it still names its dead owner, and the next writer removes it."""
+    out = an_engine(tmp_path / "out", "old")
+    remove = shutil.rmtree
+
+    def killed(path, *args, **kwargs):
+        if Path(path).name == "old":
+            raise KeyboardInterrupt                      # nothing after this point runs, as under SIGKILL
+        remove(path, *args, **kwargs)
+
+    monkeypatch.setattr(staging.shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        with staging.staged_folder(out, "building", force=True, ours=ENGINE) as tmp:
+            for name in ("engine.json", "graph.onnx"):
+                (tmp / name).write_text("new")
+    monkeypatch.setattr(staging.shutil, "rmtree", remove)
+    [aside] = tmp_path.glob(".out.replaced-*")
+    assert (aside / staging.OWNER).is_file()
+    (aside / staging.OWNER).write_text(json.dumps(staging._me() | {"start": "0"}))     # its writer is gone
+    assert staging.remove_dead_staging(out) == [aside]
+    assert (out / "engine.json").read_text() == "new" and leftovers(out) == ["out"]

@@ -131,3 +131,12 @@ def test_engine_json_sizes_are_bounded_and_must_agree_with_each_other(engine_cop
     with pytest.raises(EngineFormatError, match=needle) as refused:
         EngineManifest.read(engine)
     assert "\n" not in str(refused.value)
+
+
+def test_the_host_memory_a_budget_takes_half_of_is_what_ulimit_v_leaves():
+    """The default cache budget is half the host memory: under `ulimit -v` that is the address space left, not the
+    machine's RAM (which made numpy's allocation fail with a traceback)."""
+    script = ("import resource; from v4engine.runtime.pool_arrays import host_memory; "
+              "limit = 6 << 30; resource.setrlimit(resource.RLIMIT_AS, (limit, limit)); print(host_memory())")
+    free = int(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout)
+    assert 0 < free < 6 << 30

@@ -111,3 +111,18 @@ def test_a_closed_stdout_is_at_most_one_line(checkpoint):
     err = pipe.stderr.read()
     assert pipe.wait(timeout=120) in (0, 1)
     assert "Traceback" not in err and len(err.strip().splitlines()) <= 1, err
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["make-tiny", "--shards", "0"], "shards must be an integer from 1"),
+    (["make-tiny", "--shards", "-1"], "shards must be an integer from 1"),
+    (["make-release", "--shards", "0"], "shards must be an integer from 1"),
+    (["make-tiny", "--agree", "nan"], "agree must be a number above 0"),
+    (["make-tiny", "--agree", "inf"], "agree must be a number above 0"),
+    (["make-tiny", "--agree", "0"], "agree must be a number above 0"),
+])
+def test_a_checkpoint_writer_refuses_counts_and_scales_that_would_mean_something_else(tmp_path, args, needle):
+    """`--shards 0` wrote one shard and `--agree nan` NaN weights, each with exit 0."""
+    out = tmp_path / "out"
+    assert_one_line(v4build(args[0], out, *args[1:]), needle)
+    assert not out.exists()

@@ -119,6 +119,17 @@ def test_a_profile_of_an_input_the_graph_lacks_is_refused(engines, name, tmp_pat
     assert "'build.compile.profiles.draft[1].shapes.secret'" in message and "input of the graph" in message
 
 
+@pytest.mark.parametrize("axis, value", [(0, 2**31 - 1), (1, 100_000)])
+def test_a_profile_beyond_the_engines_own_limits_is_refused(engines, tmp_path, axis, value):
+    """Static buffers (CUDA graphs, MIGraphX's pools) are sized from the profiles: they may not exceed max_batch and
+    the prefill chunk engine.json records."""
+    def plant(record: dict) -> None:
+        record["profiles"]["target"][0]["shapes"]["input_ids"][2][axis] = value
+
+    message = refused(damaged(engines("tensorrt"), tmp_path, plant))
+    assert "'build.compile.profiles.target' profile" in message and "within the engine's limits" in message
+
+
 def test_a_profile_named_twice_is_refused(engines, tmp_path):
     def plant(record: dict) -> None:
         record["profiles"]["draft"][1]["name"] = record["profiles"]["draft"][0]["name"]

@@ -161,6 +161,25 @@ def test_lookup_finds_the_longest_entry_a_prompt_starts_with_within_the_limit():
     assert prefix.lookup([7] + base, limit=59) is None
 
 
+def test_a_cache_salt_keeps_entries_apart_and_each_salt_finds_its_own():
+    """A tenant's salt keys its entries: the same prompt under another salt (or none) finds nothing, so neither
+    the hit count nor the time to first token tells whether someone else sent it."""
+    p = pool(slots=8, blocks=32)
+    prefix = PrefixCache(p, max_bytes=1 << 30)
+    tokens = list(range(300, 340))
+    s = filled(p, 33)
+    prefix.insert(tokens, s, None, salt="tenant-a")
+    s.release()
+    assert prefix.lookup(tokens, limit=39, salt="tenant-a").length == 33
+    assert prefix.lookup(tokens, limit=39) is None and prefix.lookup(tokens, limit=39, salt="tenant-b") is None
+    s = filled(p, 33, tag=1.0)
+    prefix.insert(tokens, s, None)                       # the same tokens, no salt: an entry of its own
+    s.release()
+    assert len(prefix.entries) == 2 and prefix.lookup(tokens, limit=39).salt == ""
+    prefix.clear()
+    assert not prefix.entries and not prefix.by_blocks and p.free_blocks == 32
+
+
 def test_entries_past_the_byte_cap_are_evicted_oldest_use_first_and_free_their_blocks():
     p = pool(slots=8, blocks=32)
     one = LAYOUT.slot_bytes

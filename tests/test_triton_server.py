@@ -51,9 +51,9 @@ def expected(runtime: Generator, prompt: str, **settings) -> tuple[str, list[int
 
 
 # ---------------------------------------------------------------------- clients
-def generate(server, body: dict) -> dict:
+def generate(server, body: dict, model: str = "ensemble") -> dict:
     """POST /generate; an error answer comes back as {"error": ...} with its HTTP status."""
-    request = urllib.request.Request(f"http://{server.http_url}/v2/models/ensemble/generate", json.dumps(body).encode())
+    request = urllib.request.Request(f"http://{server.http_url}/v2/models/{model}/generate", json.dumps(body).encode())
     try:
         with urllib.request.urlopen(request, timeout=60) as answer:
             return json.loads(answer.read())
@@ -150,6 +150,21 @@ def test_generate_returns_the_runtime_text(server, runtime):
     metrics = json.loads(answer["metrics"])
     assert answer["finish_reason"] == "length" and metrics["generated_tokens"] == 24
     assert len(metrics["per_position_acceptance"]) == 3 and metrics["time_to_first_token"] > 0
+
+
+def test_the_prefix_cache_is_no_oracle_on_other_clients_prompts(server):
+    """Responses carry no hit count (only the Prometheus total does), and a cache_salt keys the prefix cache: a
+    prompt sent under one salt is found again under that salt only."""
+    secret = PROMPT + " # the other tenant's long prompt, " * 6
+    hits = lambda: metric(server, "v4_prefix_hit_tokens_total")                        # noqa: E731
+    first = generate(server, {"text_input": secret, "max_tokens": 2, "cache_salt": "tenant-a"})
+    assert "prefix_hit_tokens" not in json.loads(first["metrics"])
+    before = hits()
+    generate(server, {"text_input": secret, "max_tokens": 2, "cache_salt": "tenant-b"})
+    generate(server, {"text_input": secret, "max_tokens": 2})
+    assert hits() == before, "another salt, or none, finds nothing of tenant-a's"
+    generate(server, {"text_input": secret, "max_tokens": 2, "cache_salt": "tenant-a"})
+    wait_for(lambda: hits() > before, what="the same salt to find its own prompt again")
 
 
 def test_sampling_settings_reach_the_runtime(server, runtime):
@@ -254,12 +269,20 @@ def test_metrics_are_on_the_metrics_port(server):
     ({"text_input": PROMPT, "max_tokens": 8, "num_draft_tokens": 4}, "num_draft_tokens must be an integer from 0 to 3"),
     ({"input_ids": [5] * 5000, "max_tokens": 8}, "the prompt has 5000 tokens; this engine serves at most"),
     ({"input_ids": [5, 10_000_000], "max_tokens": 8}, "outside the vocabulary"),
+    ({"text_input": "x" * 4_000_000, "max_tokens": 8}, "more than a prompt this engine serves can hold"),
 ])
 def test_bad_requests_get_a_clear_error_and_the_server_keeps_serving(server, body, message):
     answer = generate(server, body)
     assert answer["status"] == 400 and message in answer["error"], answer
     assert "\n" not in answer["error"] and "Traceback" not in answer["error"]
     assert generate(server, {"text_input": PROMPT, "max_tokens": 4})["finish_reason"] == "length"
+
+
+def test_postprocessing_called_directly_with_ids_outside_the_vocabulary_names_the_input(server):
+    body = {"echo_ids": [3], "generated_ids": [5, 99_999_999], "new_tokens": 1, "finish_reason": "",
+            "cancel_key": "x", "stop_strings": ["zz"]}
+    answer = generate(server, body, model="postprocessing")
+    assert answer["status"] == 400 and "generated_ids: 99999999 is not a token id" in answer["error"], answer
 
 
 def test_text_that_is_not_utf8_is_refused(server):

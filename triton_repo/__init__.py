@@ -52,7 +52,8 @@ class RenderError(V4EngineError):
 
 def render(engine_dir: str | Path, out: str | Path, *, gpu: bool = False, max_batch: int | None = None,
            max_queue_size: int = 32, instance_count: int = 1, gpus: Sequence[int] = (), drafter: str | None = None,
-           mtp: int | None = None, confidence_scheduling: bool | None = None, force: bool = False) -> Path:
+           mtp: int | None = None, confidence_scheduling: bool | None = None, report_prefix_hits: bool = False,
+           force: bool = False) -> Path:
     """Write the model repository for `engine_dir` to `out` and return `out`.
 
     max_batch: requests generating together (default: the largest batch the engine was built for);
@@ -60,7 +61,9 @@ def render(engine_dir: str | Path, out: str | Path, *, gpu: bool = False, max_ba
     instance_count: v4_generate instances, each with its own scheduler and engine sessions;
     gpus: the GPUs one instance spans, one per pipeline stage of the engine (v4build --pipeline-stages);
     drafter, mtp: the drafting method and draft tokens per step (default: the engine's own drafter and k);
-    confidence_scheduling: verify only the drafts that pay (runtime/verify_schedule.py; default: on for DSpark).
+    confidence_scheduling: verify only the drafts that pay (runtime/verify_schedule.py; default: on for DSpark);
+    report_prefix_hits: each request's metrics name its prefix_hit_tokens (default: only the Prometheus total, so
+    a client cannot learn from them whether another sent a prompt; docs/security.md).
     The repository is written to a temporary folder beside `out` and renamed at the end: a failure leaves
     nothing behind, and `force` replaces an existing `out` only then."""
     engine_dir, out = Path(engine_dir).resolve(), Path(out)
@@ -95,7 +98,7 @@ def render(engine_dir: str | Path, out: str | Path, *, gpu: bool = False, max_ba
         options = Options(engine_dir=str(engine_dir), max_seq_len=manifest.limits["max_seq_len"],
                           max_batch=max_batch, max_queue_size=max_queue_size, instance_count=instance_count, gpu=gpu,
                           gpus=tuple(gpus), drafter=drafter, mtp=mtp, providers=providers,
-                          confidence_scheduling=confidence_scheduling)
+                          confidence_scheduling=confidence_scheduling, report_prefix_hits=report_prefix_hits is True)
         configs = model_configs(options)
     except ValueError as e:
         raise RenderError(f"{engine_dir}: cannot be written into a config.pbtxt: {e}") from None

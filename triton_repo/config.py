@@ -47,6 +47,7 @@ class Options:
     mtp: int | None = None          # draft tokens per step (None: the drafter's default)
     providers: tuple[str, ...] = ()  # execution providers for a backend whose sessions take them, on GPUs
     confidence_scheduling: bool | None = None    # None: the Generator's default (on for DSpark)
+    report_prefix_hits: bool = False   # per-request metrics name prefix_hit_tokens (else only the Prometheus total)
 
 
 # The settings a client may send, named as tensorrtllm_backend names them where it has the setting.
@@ -57,6 +58,7 @@ SAMPLING = (
     Tensor("seed", "INT64", optional=True),
     Tensor("num_draft_tokens", "INT32", optional=True),  # drafts per step, 0..the repository's k (default k)
     Tensor("draft_sample_method", "STRING", optional=True),    # "probabilistic" (default) or "greedy" drafts
+    Tensor("cache_salt", "STRING", optional=True),      # keys the prefix cache: tenants of other salts share nothing
     Tensor("ignore_eos", "BOOL", optional=True),
     Tensor("stream", "BOOL", optional=True),             # one response per step instead of one at the end
     Tensor("exclude_input_in_output", "BOOL", optional=True),   # default true: generated text only
@@ -155,6 +157,8 @@ def python_model(model: Model, options: Options) -> mc.ModelConfig:
                        if value is not None})
         if options.confidence_scheduling is not None:
             values["confidence_scheduling"] = "on" if options.confidence_scheduling else "off"
+        if options.report_prefix_hits:
+            values["report_prefix_hits"] = "on"
         if options.providers:
             values["providers"] = ",".join(options.providers)
         if options.gpus:

@@ -17,7 +17,9 @@ A server leaves nothing running and nothing in /dev/shm once stopped, however it
 - its stubs' shared-memory regions carry a prefix of this server's own (the Python backend's
   `shm-region-prefix-name`), so stop() removes what a killed stub left in /dev/shm, and only that;
 - tritonserver gets SIGTERM when the thread that started it dies (PR_SET_PDEATHSIG), even by SIGKILL: start a
-  server from a thread that lives as long as it, the main thread in a launcher;
+  server from a thread that lives as long as it, the main thread in a launcher; a tritonserver that then exits
+  with streams still live leaves its stubs behind, and each stub ends itself and the group when it sees its
+  parent gone, removing the server's regions and temporary folder first (models/io.py `die_with_server`);
 - its temporary files, the cancel relay's socket among them (models/relay.py), go to a 0700 folder of its own
   in the system's temporary folder (not under work_dir: a UNIX socket's path must fit in 107 bytes), removed at
   stop (a launcher killed outright leaves it behind, with tritonserver's `.ses` file, the relay's socket gone).
@@ -48,6 +50,7 @@ from v4engine.contract.errors import V4EngineError
 
 HOST = "127.0.0.1"
 SHM = Path("/dev/shm")
+SHM_PREFIX_ENV = "V4ENGINE_SHM_PREFIX"  # the stubs learn the server's shared-memory prefix from it
 PR_SET_PDEATHSIG = 1                    # <linux/prctl.h>
 LIBC = ctypes.CDLL(None, use_errno=True)   # loaded here: the child between fork and exec only calls it
 
@@ -156,6 +159,7 @@ class TritonServer:
             p for p in (str(self.env.libs), self.env.libpython_dir, env.get("LD_LIBRARY_PATH")) if p)
         env["PATH"] = os.pathsep.join(p for p in (str(self.env.python.parent), env.get("PATH")) if p)
         env["TMPDIR"] = str(self.temp_dir)
+        env[SHM_PREFIX_ENV] = self.shm_prefix             # models/io.py die_with_server
         return env
 
     def command(self) -> list[str]:

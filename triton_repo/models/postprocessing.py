@@ -25,7 +25,9 @@ from .relay import relay_cancel
 
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
+        io.die_with_server()
         self.tokenizer = load_tokenizer(io.parameters(args)["engine_dir"])
+        self.vocab = self.tokenizer.get_vocab_size(with_added_tokens=True)
 
     def execute(self, requests: list) -> list:
         return io.answer_each("postprocessing", requests, self.answer)
@@ -39,6 +41,10 @@ class TritonPythonModel:
             # flight for good, and the server's shutdown then waits for it until --exit-timeout-secs
             return pb_utils.InferenceResponse([io.text("text_output", "")])
         echo, generated = io.array(request, "echo_ids").tolist(), io.array(request, "generated_ids").tolist()
+        for name, ids in (("echo_ids", echo), ("generated_ids", generated)):
+            bad = next((t for t in ids if not 0 <= t < self.vocab), None)
+            if bad is not None:
+                raise RequestError(f"{name}: {bad} is not a token id of this engine's tokenizer [0, {self.vocab})")
         new = io.scalar(request, "new_tokens", required=True)
         if not 0 <= new <= len(generated):
             raise RequestError(f"new_tokens must be from 0 to the {len(generated)} generated_ids (got {new})")

@@ -73,6 +73,8 @@ class Metrics:
                                        "came with a confidence", F.COUNTER, position=str(i + 1))
                                 for i in range(positions)]
         self.generated = series("v4_generated_tokens_total", "Tokens generated", F.COUNTER)
+        self.prefix_hits = series("v4_prefix_hit_tokens_total", "Prompt tokens taken from the prefix cache instead "
+                                  "of computed", F.COUNTER)
         self.engine_steps = series("v4_engine_steps_total", "Engine calls (draft and verify)", F.COUNTER)
         self.waiting = series("v4_queue_size", "Requests accepted and waiting for a batch slot", F.GAUGE)
         self.running = series("v4_running_requests", "Requests in the running batch", F.GAUGE)
@@ -92,10 +94,12 @@ class Metrics:
         for series, count in zip(self.confident_steps, m.confident_steps):
             series.increment(count)
         self.generated.increment(m.generated)
+        self.prefix_hits.increment(m.prefix_hit_tokens)
 
 
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
+        io.die_with_server()
         params = io.parameters(args)
         options: dict = {}
         if "providers" in params:                       # an ONNX Runtime engine on GPUs (rendered so only for one)
@@ -118,6 +122,7 @@ class TritonPythonModel:
         self.exported = (0,) * (1 + len(self.gauges))  # engine steps, then each gauge: as last exported
         self.serving = ServingLoop(generator, max_queue_size=int(params["max_queue_size"]), on_update=self.export)
         self.relay = CancelRelay()
+        self.report_prefix_hits = params.get("report_prefix_hits") == "on"
 
     def export(self) -> None:
         """Whenever requests joined, left or stepped (on the scheduler's thread): engine steps and the gauges,
@@ -179,6 +184,8 @@ class TritonPythonModel:
         if request.finish_reason == "cancelled":
             return False
         metrics = request.metrics.to_dict()
+        if not self.report_prefix_hits:          # a per-response hit count tells one client another's prompts
+            del metrics["prefix_hit_tokens"]
         new = len(update.tokens) if streaming else len(generated)
         sender.send(self.response(echo, generated, new, key, request.params.stop, request.finish_reason,
                                   json.dumps(metrics)), flags=FINAL)

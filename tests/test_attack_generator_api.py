@@ -1,0 +1,89 @@
+"""Attacks through the Generator API and the weights behind it: a request cancelled through another Generator,
+and weights whose logits are not finite. (Options of the wrong type or range: test_attack_tracebacks.py.)"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from hostile import assert_one_line, v4generate
+from v4engine.builder.build import BuildOptions, build
+from v4engine.contract.errors import V4EngineError
+from v4engine.runtime.generator import Generator
+from v4engine.runtime.sampling import RequestError, SamplingParams
+
+GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True)
+PROMPT = [5, 9, 11, 3]
+
+
+def test_a_request_cancelled_through_another_generator_is_refused_and_its_owner_serves_it(tiny_engine):
+    engine = tiny_engine("mixed")[1]
+    owner, other = Generator.from_engine_dir(engine, mtp=0), Generator.from_engine_dir(engine, mtp=0)
+    [alone] = owner.generate([PROMPT], GREEDY)
+    request = owner.submit(PROMPT, GREEDY)
+    with pytest.raises(RequestError, match=f"request {request.id} is not one of this Generator's"):
+        other.cancel(request)
+    while not owner.advance([request]):
+        pass
+    assert request.error is None and request.finish_reason == "length"
+    assert owner.progress(request)[0] == alone.token_ids
+
+
+@pytest.fixture(scope="module")
+def nan_engine(tiny_checkpoint, tmp_path_factory) -> Path:
+    """An engine whose final norm is NaN: every logit it computes is NaN."""
+    folder = tmp_path_factory.mktemp("nan")
+    checkpoint = Path(shutil.copytree(tiny_checkpoint("mixed", names="hf"), folder / "checkpoint"))
+    for path in checkpoint.glob("*.safetensors"):
+        with safe_open(str(path), "np") as f:
+            tensors, metadata = {name: f.get_tensor(name) for name in f.keys()}, f.metadata()
+        if "model.norm.weight" in tensors:
+            tensors["model.norm.weight"] = np.full_like(tensors["model.norm.weight"], np.nan)
+            save_file(tensors, str(path), metadata)
+    build(BuildOptions(checkpoint=checkpoint, output=folder / "engine", mtp=0, progress=False))
+    return folder / "engine"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_logits_that_are_not_finite_fail_the_request_in_one_line(nan_engine, temperature):
+    """Not token 0 forever (greedy) or the last id (sampled), with exit 0."""
+    gen = Generator.from_engine_dir(nan_engine)
+    with pytest.raises(V4EngineError, match="logits .* are not finite"):
+        gen.generate([PROMPT], SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=temperature, seed=1))
+    assert_one_line(v4generate(nan_engine, "--prompt-ids", "5,9,11,3", "--max-new-tokens", "4"), "not finite")
+
+
+class NoEncoding:
+    """A tokenizer that must not be asked to encode (its vocabulary is the engine's)."""
+
+    def __init__(self, tokenizer):
+        self.get_vocab = tokenizer.get_vocab
+
+    def encode(self, *args, **kwargs):
+        raise AssertionError("the text was tokenized")
+
+
+def test_a_prompt_text_longer_than_any_servable_prompt_is_refused_before_it_is_tokenized(tiny_engine):
+    """Megabytes of text held the Triton preprocessing instance for 14 s before any length check."""
+    gen = Generator.from_engine_dir(tiny_engine("mixed")[1], mtp=0)
+    gen.tokenizer = NoEncoding(gen.tokenizer)
+    with pytest.raises(RequestError, match=r"the prompt text has 4000000 bytes, more than a prompt this engine "
+                                           r"serves can hold \(\d+\)"):
+        gen.generate(["x" * 4_000_000], GREEDY)
+
+
+def test_a_tokenizer_that_gives_up_on_a_prompt_fails_that_request_in_one_line(engine_copy):
+    """An Oniguruma regex past its retry limit panics in Rust: a BaseException, not a traceback through the API."""
+    from tokenizers import Regex, Tokenizer, pre_tokenizers
+
+    tokenizer = Tokenizer.from_file(str(engine_copy / "tokenizer.json"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("(a|a)+$"), "isolated")
+    tokenizer.save(str(engine_copy / "tokenizer.json"))
+    gen = Generator.from_engine_dir(engine_copy, mtp=0)
+    with pytest.raises(RequestError, match="tokenizer.json failed on this prompt"):
+        gen.generate(["a" * 40 + "b"], GREEDY)
+    assert gen.generate(["ab"], GREEDY)[0].finish_reason == "length"

@@ -13,6 +13,7 @@ from safetensors.numpy import save_file
 from hostile import assert_one_line, v4generate
 from v4engine.builder.build import BuildOptions, build
 from v4engine.contract.errors import V4EngineError
+from v4engine.runtime.budget import Limits
 from v4engine.runtime.generator import Generator
 from v4engine.runtime.sampling import RequestError, SamplingParams
 
@@ -87,3 +88,16 @@ def test_a_tokenizer_that_gives_up_on_a_prompt_fails_that_request_in_one_line(en
     with pytest.raises(RequestError, match="tokenizer.json failed on this prompt"):
         gen.generate(["a" * 40 + "b"], GREEDY)
     assert gen.generate(["ab"], GREEDY)[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("options, says", [
+    ({"limits": Limits(max_batch=0)}, "max_batch must be an integer from 1"),
+    ({"limits": Limits(max_cache_bytes="1000000")}, "max_cache_bytes must be a positive integer"),
+    ({"mtp": 2.5}, "mtp must be an integer from 0 to 3"),
+    ({"backend_options": {"threads": -1}}, "option 'threads' must be an integer >= 0"),
+])
+def test_options_that_would_mean_something_else_are_refused_in_one_line(tiny_engine, options, says):
+    """Not 0 taken for the default, -1 passed on, or a TypeError from deep inside."""
+    with pytest.raises(RequestError, match=says):
+        Generator.from_engine_dir(tiny_engine("mixed")[1], **options)
+

@@ -32,7 +32,7 @@ from test_triton_server import ENV, metric, server, wait_for  # noqa: F401 - ser
 from v4engine.runtime.generator import Generator
 from v4engine.triton_repo import render
 from v4engine.triton_repo.models.relay import CancelRelay, relay_cancel
-from v4engine.triton_repo.server import SHM, TritonServer, group_processes
+from v4engine.triton_repo.server import SHM, SHM_PREFIX_ENV, TEMP_PREFIX, TritonServer, group_processes
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.xdist_group("triton-server")
@@ -259,6 +259,46 @@ def shm_regions(prefix: str) -> list[str]:
     return [p.name for p in SHM.iterdir() if p.name.startswith(prefix)]
 
 
+WATCHED = """
+import os, subprocess, sys, time
+os.setpgrp()                                # a process group of its own, as tritonserver's
+stub = subprocess.Popen([sys.executable, "-c", "from v4engine.triton_repo.server import die_with_server; "
+                         "import time; die_with_server(0.1); print('watching', flush=True); time.sleep(600)"],
+                        stdout=subprocess.PIPE, text=True)
+assert stub.stdout.readline() == "watching\\n"
+print(stub.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_model_process_whose_server_is_gone_removes_its_memory_and_ends_its_group(tmp_path):
+    """However tritonserver went, a model process that outlives it (reparented) removes the server's /dev/shm
+    regions and temporary folder and SIGKILLs the group: nothing runs on for good (server.die_with_server)."""
+    prefix = f"v4engine-test-{os.getpid()}-"
+    region, temp = SHM / f"{prefix}region", tmp_path / f"{TEMP_PREFIX}x"
+    region.write_bytes(b"held")
+    temp.mkdir()
+    env = {**os.environ, SHM_PREFIX_ENV: prefix, "TMPDIR": str(temp)}
+    server = subprocess.Popen([sys.executable, "-c", WATCHED], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        stub = int(server.stdout.readline())
+        server.kill()                                   # tritonserver gone, without a word to its stubs
+        server.wait()
+        wait_for(lambda: not alive(stub), what="the model process to end itself", timeout=30)
+        assert not region.exists() and not temp.exists()
+    finally:
+        region.unlink(missing_ok=True)
+        if alive(stub):
+            os.kill(stub, signal.SIGKILL)
+
+
 def live_stream(http_url: str) -> http.client.HTTPConnection:
     """A streaming request that has begun answering and would go on for a long while."""
     connection = http.client.HTTPConnection(http_url, timeout=60)
@@ -266,7 +306,7 @@ def live_stream(http_url: str) -> http.client.HTTPConnection:
                        json.dumps({"text_input": "def fib(n):", "max_tokens": 1500, "ignore_eos": True,
                                    "stream": True}))
     answer = connection.getresponse()
-    assert answer.status == 200 and answer.fp.readline().startswith(b"data:")
+    assert answer.status == 200 and answer.readline().startswith(b"data:")
     return connection
 
 

@@ -155,7 +155,7 @@ def test_generate_returns_the_runtime_text(server, runtime):
 def test_the_prefix_cache_is_no_oracle_on_other_clients_prompts(server):
     """Responses carry no hit count (only the Prometheus total does), and a cache_salt keys the prefix cache: a
     prompt sent under one salt is found again under that salt only."""
-    secret = PROMPT + " # the other tenant's long prompt, " * 6
+    secret = "# tenant a's own prompt, which no other test sends\n" * 4
     hits = lambda: metric(server, "v4_prefix_hit_tokens_total")                        # noqa: E731
     first = generate(server, {"text_input": secret, "max_tokens": 2, "cache_salt": "tenant-a"})
     assert "prefix_hit_tokens" not in json.loads(first["metrics"])

@@ -19,7 +19,7 @@ A server leaves nothing running and nothing in /dev/shm once stopped, however it
 - tritonserver gets SIGTERM when the thread that started it dies (PR_SET_PDEATHSIG), even by SIGKILL: start a
   server from a thread that lives as long as it, the main thread in a launcher; a tritonserver that then exits
   with streams still live leaves its stubs behind, and each stub ends itself and the group when it sees its
-  parent gone, removing the server's regions and temporary folder first (models/io.py `die_with_server`);
+  parent gone, removing the server's regions and temporary folder first (`die_with_server`);
 - its temporary files, the cancel relay's socket among them (models/relay.py), go to a 0700 folder of its own
   in the system's temporary folder (not under work_dir: a UNIX socket's path must fit in 107 bytes), removed at
   stop (a launcher killed outright leaves it behind, with tritonserver's `.ses` file, the relay's socket gone).
@@ -40,6 +40,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -51,8 +52,34 @@ from v4engine.contract.errors import V4EngineError
 HOST = "127.0.0.1"
 SHM = Path("/dev/shm")
 SHM_PREFIX_ENV = "V4ENGINE_SHM_PREFIX"  # the stubs learn the server's shared-memory prefix from it
+TEMP_PREFIX = "v4engine-triton-"        # of a server's own temporary folder (its TMPDIR)
 PR_SET_PDEATHSIG = 1                    # <linux/prctl.h>
 LIBC = ctypes.CDLL(None, use_errno=True)   # loaded here: the child between fork and exec only calls it
+
+
+def die_with_server(poll: float = 0.5) -> None:
+    """End this model process, and every other of its server's, once tritonserver is gone, however it went.
+
+    tritonserver stopped with streams still live (its launcher killed outright: serve.py under `kill -9`, whose
+    PR_SET_PDEATHSIG gives tritonserver SIGTERM) exits after its exit timeout without its stubs, which would then
+    run for good, reparented, with their shared memory. A thread here watches the parent: when it changes, it
+    removes the server's regions in /dev/shm and its private temporary folder, and SIGKILLs the process group
+    (tritonserver's, which its stubs share)."""
+    server = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == server:
+            time.sleep(poll)
+        prefix = os.environ.get(SHM_PREFIX_ENV)
+        if prefix:
+            for region in SHM.glob(prefix + "*"):
+                region.unlink(missing_ok=True)
+        temp = Path(tempfile.gettempdir())
+        if temp.name.startswith(TEMP_PREFIX):                # the server's own 0700 folder (TMPDIR)
+            shutil.rmtree(temp, ignore_errors=True)
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="die-with-server", daemon=True).start()
 
 
 class ServerError(V4EngineError):
@@ -159,7 +186,7 @@ class TritonServer:
             p for p in (str(self.env.libs), self.env.libpython_dir, env.get("LD_LIBRARY_PATH")) if p)
         env["PATH"] = os.pathsep.join(p for p in (str(self.env.python.parent), env.get("PATH")) if p)
         env["TMPDIR"] = str(self.temp_dir)
-        env[SHM_PREFIX_ENV] = self.shm_prefix             # models/io.py die_with_server
+        env[SHM_PREFIX_ENV] = self.shm_prefix             # die_with_server, in each model process
         return env
 
     def command(self) -> list[str]:
@@ -174,7 +201,7 @@ class TritonServer:
     def start(self) -> "TritonServer":
         """Start the server and wait until it is ready; on any failure, or an interrupt, it is stopped again."""
         self.work_dir.mkdir(parents=True, exist_ok=True)
-        self.temp_dir = Path(tempfile.mkdtemp(prefix="v4engine-triton-"))
+        self.temp_dir = Path(tempfile.mkdtemp(prefix=TEMP_PREFIX))
         self.http_port, self.grpc_port, self.metrics_port = free_ports(3)
         self.http_port = self.asked_http_port or self.http_port
         self.http_url, self.grpc_url = f"{HOST}:{self.http_port}", f"{HOST}:{self.grpc_port}"

@@ -1,6 +1,7 @@
 """Serve an engine with Triton: render its model repository and start the server that nvidia-pytriton bundles.
 
     .venv/bin/python examples/triton/serve.py [ENGINE_DIR] [--work out/triton] [--http-port 8000] [--drafter NAME]
+        [--max-queue-size N]
 
 Without ENGINE_DIR it builds the shipped trained tiny V4 (examples/tiny-v4, --mtp 3) into WORK/engine first. The
 server runs until Ctrl-C, SIGTERM or SIGHUP, each of which stops it and every process it started, and frees its
@@ -40,6 +41,8 @@ def main() -> None:
                    "(`make triton-env`)")
     p.add_argument("--http-port", type=int, default=None, help="HTTP port on 127.0.0.1 (default: a free one; "
                    "gRPC and metrics always take free ones: see WORK/server.json)")
+    p.add_argument("--max-queue-size", type=int, default=32, help="requests that may wait for a batch slot; beyond "
+                   "that a request is refused at once (default 32)")
     p.add_argument("--drafter", choices=list(DRAFTERS), default=None, help="drafting method (default: the engine's "
                    "own; prompt_lookup: n-grams of each request's context, on any engine)")
     args = p.parse_args()
@@ -47,7 +50,7 @@ def main() -> None:
     engine = args.engine or args.work / "engine"
     if args.engine is None and not (engine / "engine.json").is_file():
         v4build(["--checkpoint", str(ROOT / "examples" / "tiny-v4"), "--mtp", "3", "--output", str(engine)])
-    repo = render(engine, args.work / "repo", drafter=args.drafter, force=True)
+    repo = render(engine, args.work / "repo", drafter=args.drafter, max_queue_size=args.max_queue_size, force=True)
     with TritonServer(repo, args.env, work_dir=args.work / "server", http_port=args.http_port) as server:
         urls = {"http": server.http_url, "grpc": server.grpc_url, "metrics": server.metrics_url}
         (args.work / "server.json").write_text(json.dumps(urls))

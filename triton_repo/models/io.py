@@ -2,45 +2,12 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import signal
-import tempfile
-import threading
-import time
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from v4engine.runtime.sampling import RequestError
-from v4engine.triton_repo.server import SHM_PREFIX_ENV
-
-
-def die_with_server(poll: float = 0.5) -> None:
-    """End this model process, and every other of its server's, once tritonserver is gone, however it went.
-
-    tritonserver stopped with streams still live (its launcher killed outright: serve.py under `kill -9`, whose
-    PR_SET_PDEATHSIG gives tritonserver SIGTERM) exits after its exit timeout without its stubs, which would then
-    run for good, reparented, with their shared memory. A thread here watches the parent: when it changes, it
-    removes the server's regions in /dev/shm and its private temporary folder, and SIGKILLs the process group
-    (tritonserver's, which its stubs share)."""
-    server = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == server:
-            time.sleep(poll)
-        prefix = os.environ.get(SHM_PREFIX_ENV)
-        if prefix:
-            for region in Path("/dev/shm").glob(prefix + "*"):
-                region.unlink(missing_ok=True)
-        temp = Path(tempfile.gettempdir())
-        if temp.name.startswith("v4engine-triton-"):          # the server's own 0700 folder (TMPDIR)
-            shutil.rmtree(temp, ignore_errors=True)
-        os.killpg(os.getpgrp(), signal.SIGKILL)
-
-    threading.Thread(target=watch, name="die-with-server", daemon=True).start()
 
 
 def parameters(args: dict) -> dict[str, str]:

@@ -18,6 +18,7 @@ import triton_python_backend_utils as pb_utils
 from v4engine.runtime.detokenize import text_piece
 from v4engine.runtime.generator import load_tokenizer
 from v4engine.runtime.sampling import RequestError
+from v4engine.triton_repo.server import die_with_server
 
 from . import io
 from .relay import relay_cancel
@@ -25,7 +26,7 @@ from .relay import relay_cancel
 
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
-        io.die_with_server()
+        die_with_server()
         self.tokenizer = load_tokenizer(io.parameters(args)["engine_dir"])
         self.vocab = self.tokenizer.get_vocab_size(with_added_tokens=True)
 

@@ -15,13 +15,14 @@ import triton_python_backend_utils as pb_utils
 
 from v4engine.runtime.generator import encode_text, load_tokenizer, longest_prompt_bytes
 from v4engine.runtime.sampling import RequestError
+from v4engine.triton_repo.server import die_with_server
 
 from . import io
 
 
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
-        io.die_with_server()
+        die_with_server()
         params = io.parameters(args)
         self.tokenizer = load_tokenizer(params["engine_dir"])
         self.max_seq_len = int(params["max_seq_len"])

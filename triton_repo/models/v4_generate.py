@@ -32,6 +32,7 @@ from v4engine.runtime.generator import Generator
 from v4engine.runtime.sampling import SamplingParams
 from v4engine.runtime.scheduler import Request
 from v4engine.runtime.serving import ServingLoop, Stream
+from v4engine.triton_repo.server import die_with_server
 
 from ..config import SAMPLING
 from . import io
@@ -99,7 +100,7 @@ class Metrics:
 
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
-        io.die_with_server()
+        die_with_server()
         params = io.parameters(args)
         options: dict = {}
         if "providers" in params:                       # an ONNX Runtime engine on GPUs (rendered so only for one)

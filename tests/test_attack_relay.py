@@ -32,7 +32,7 @@ from test_triton_server import ENV, metric, server, wait_for  # noqa: F401 - ser
 from v4engine.runtime.generator import Generator
 from v4engine.triton_repo import render
 from v4engine.triton_repo.models.relay import CancelRelay, relay_cancel
-from v4engine.triton_repo.server import SHM, SHM_PREFIX_ENV, TEMP_PREFIX, TritonServer, group_processes
+from v4engine.triton_repo.server import SHM, SHM_PREFIX, SHM_PREFIX_ENV, TEMP_PREFIX, TritonServer, group_processes
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.xdist_group("triton-server")
@@ -278,13 +278,19 @@ def alive(pid: int) -> bool:
         return False
 
 
-def test_a_model_process_whose_server_is_gone_removes_its_memory_and_ends_its_group(tmp_path):
+@pytest.mark.parametrize("hostile", [False, True], ids=["its own", "an environment pointing elsewhere"])
+def test_a_model_process_whose_server_is_gone_removes_its_memory_and_ends_its_group(tmp_path, hostile):
     """However tritonserver went, a model process that outlives it (reparented) removes the server's /dev/shm
-    regions and temporary folder and SIGKILLs the group: nothing runs on for good (server.die_with_server)."""
-    prefix = f"v4engine-test-{os.getpid()}-"
+    regions and temporary folder and SIGKILLs the group: nothing runs on for good (server.die_with_server). It
+    removes only names a server makes: a prefix or TMPDIR of another form leaves every file alone."""
+    prefix = f"v4engine-triton-{os.getpid():016x}-"
     region, temp = SHM / f"{prefix}region", tmp_path / f"{TEMP_PREFIX}x"
     region.write_bytes(b"held")
-    temp.mkdir()
+    temp.mkdir(mode=0o700)
+    keep = tmp_path / "outside.txt"
+    keep.write_text("precious")
+    if hostile:                                        # a prefix that walks out of /dev/shm, a TMPDIR not 0700
+        prefix, temp = f"../{tmp_path.name}/", tmp_path
     env = {**os.environ, SHM_PREFIX_ENV: prefix, "TMPDIR": str(temp)}
     server = subprocess.Popen([sys.executable, "-c", WATCHED], stdout=subprocess.PIPE, text=True, env=env)
     try:
@@ -292,7 +298,7 @@ def test_a_model_process_whose_server_is_gone_removes_its_memory_and_ends_its_gr
         server.kill()                                   # tritonserver gone, without a word to its stubs
         server.wait()
         wait_for(lambda: not alive(stub), what="the model process to end itself", timeout=30)
-        assert not region.exists() and not temp.exists()
+        assert region.exists() == hostile and temp.exists() == hostile and keep.read_text() == "precious"
     finally:
         region.unlink(missing_ok=True)
         if alive(stub):
@@ -357,6 +363,7 @@ def test_a_server_deaf_to_sigterm_is_killed_with_its_stubs_and_their_shared_memo
     members = server.processes()
     try:
         assert len(members) == 4 and len(shm_regions(server.shm_prefix)) == 3
+        assert SHM_PREFIX.fullmatch(server.shm_prefix), "the form die_with_server removes"
         os.kill(server.process.pid, signal.SIGSTOP)     # SIGTERM now does nothing: stop() must kill the group
     finally:
         server.stop()

@@ -37,7 +37,9 @@ import os
 import secrets
 import shutil
 import signal
+import re
 import socket
+import stat
 import subprocess
 import tempfile
 import threading
@@ -53,8 +55,20 @@ HOST = "127.0.0.1"
 SHM = Path("/dev/shm")
 SHM_PREFIX_ENV = "V4ENGINE_SHM_PREFIX"  # the stubs learn the server's shared-memory prefix from it
 TEMP_PREFIX = "v4engine-triton-"        # of a server's own temporary folder (its TMPDIR)
+SHM_PREFIX = re.compile(r"v4engine-triton-[0-9a-f]{16}-")   # a server's shared-memory prefix, as __init__ makes it
 PR_SET_PDEATHSIG = 1                    # <linux/prctl.h>
 LIBC = ctypes.CDLL(None, use_errno=True)   # loaded here: the child between fork and exec only calls it
+
+
+def _own_temp_folder(folder: Path) -> bool:
+    """Whether `folder` is a server's own temporary folder as start() makes it: a real folder named TEMP_PREFIX...,
+    this user's, mode 0700 (so a TMPDIR pointing anywhere else is never removed)."""
+    try:
+        info = folder.lstat()
+    except OSError:
+        return False
+    return (folder.name.startswith(TEMP_PREFIX) and stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid()
+            and stat.S_IMODE(info.st_mode) == 0o700)
 
 
 def die_with_server(poll: float = 0.5) -> None:
@@ -70,12 +84,13 @@ def die_with_server(poll: float = 0.5) -> None:
     def watch() -> None:
         while os.getppid() == server:
             time.sleep(poll)
-        prefix = os.environ.get(SHM_PREFIX_ENV)
-        if prefix:
-            for region in SHM.glob(prefix + "*"):
-                region.unlink(missing_ok=True)
+        prefix = os.environ.get(SHM_PREFIX_ENV, "")
+        if SHM_PREFIX.fullmatch(prefix):                     # only names TritonServer makes, only in /dev/shm
+            for region in SHM.iterdir():
+                if region.name.startswith(prefix) and not region.is_dir():
+                    region.unlink(missing_ok=True)
         temp = Path(tempfile.gettempdir())
-        if temp.name.startswith(TEMP_PREFIX):                # the server's own 0700 folder (TMPDIR)
+        if _own_temp_folder(temp):
             shutil.rmtree(temp, ignore_errors=True)
         os.killpg(os.getpgrp(), signal.SIGKILL)
 
@@ -127,11 +142,11 @@ def free_ports(count: int) -> list[int]:
 def group_processes(group: int) -> dict[int, str]:
     """pid -> command line of every live process in a process group (zombies, which no signal can end, left out)."""
     found = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for status in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()      # after "pid (comm)": state, ppid, pgrp, ...
+            fields = status.read_text().rsplit(")", 1)[1].split()    # after "pid (comm)": state, ppid, pgrp, ...
             if int(fields[2]) == group and fields[0] != "Z":
-                found[int(stat.parent.name)] = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                found[int(status.parent.name)] = (status.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
         except (OSError, IndexError, ValueError):                     # it ended while being read
             continue
     return found

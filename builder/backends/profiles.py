@@ -5,7 +5,6 @@ from __future__ import annotations
 from v4engine.contract.calls import target_calls
 from v4engine.contract.engine import EngineManifest, TensorSpec
 from v4engine.contract.profiles import Profile
-from v4engine.contract.stages import TARGET
 
 
 def profiles(manifest: EngineManifest, graph: str) -> list[Profile]:
@@ -16,15 +15,14 @@ def profiles(manifest: EngineManifest, graph: str) -> list[Profile]:
     prompt's positions in chunks, and `cycle`, the 1..k+1 positions a verify committed; both then draft). Batch
     1..max_batch; block tables of 0..max_seq_len/block_tokens + 1 blocks per row; pools of 1..max_batch slots and
     of 1..the blocks of max_batch rows of max_seq_len (the runtime sizes its pools within those)."""
-    build = manifest.build
-    max_batch, chunk, max_seq = build["max_batch"], build["max_prefill_chunk"], build["max_seq_len"]
-    layout = manifest.caches[TARGET]
-    blocks = layout.table_blocks(max_seq)
+    chunk = manifest.build["max_prefill_chunk"]
+    most = manifest.dim_bounds()             # what engine.json's reader holds recorded profiles to
     draft = manifest.draft_spec
     kinds = draft.calls(manifest.mtp, chunk) if draft is not None and graph == draft.graph else \
         target_calls(manifest.mtp, chunk)
-    dims = {"batch": (1, 1, max_batch), "blocks": (0, blocks // 2, blocks), "pool_slots": (1, max_batch, max_batch),
-            "pool_blocks": (1, max_batch * blocks, max_batch * blocks)}
+    dims = {"batch": (1, 1, most["batch"]), "blocks": (0, most["blocks"] // 2, most["blocks"]),
+            "pool_slots": (1, most["pool_slots"], most["pool_slots"]),
+            "pool_blocks": (1, most["pool_blocks"], most["pool_blocks"])}
     out = []
     for name, seq in kinds.items():
         ranges = dims | {"seq": seq}

@@ -123,15 +123,16 @@ def random_model(cfg: V4Config, seed: int, agree: float | None = None) -> Transf
 
 def randomize(model: nn.Module, gen: torch.Generator) -> None:
     """Every parameter at a plausible scale: norms near 1, matrices of unit gain, the rest (hc mixes, sinks) small;
-    drawn on the generator's device."""
-    for name, p in model.named_parameters():
-        noise = torch.randn(p.shape, generator=gen, device=gen.device)
-        if name.endswith("norm.weight"):
-            p.copy_(1 + 0.1 * noise)
-        elif p.dim() == 2:
-            p.copy_(noise / p.shape[1] ** 0.5)
-        else:
-            p.copy_(0.3 * noise)
+    drawn on the generator's device. Under no_grad of its own: parameters are leaves that require grad."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen, device=gen.device)
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * noise)
+            elif p.dim() == 2:
+                p.copy_(noise / p.shape[1] ** 0.5)
+            else:
+                p.copy_(0.3 * noise)
 
 
 def random_dspark(target: Transformer, seed: int, agree: float | None = None) -> DSpark:

@@ -262,7 +262,11 @@ def plan_calls(op: str, plans: list[LaunchPlan], inputs: dict[str, torch.Tensor]
 
 def kernel_arguments(plan: LaunchPlan, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> list[np.ndarray]:
     """The parameter values TensorRT passes, in its order: input pointers (u64), int32 scalars, output pointers
-    (u64); then the two scratch slots of Triton's `.entry`, filled with an invalid address (see (b))."""
+    (u64); then the two scratch slots of Triton's `.entry`, filled with an invalid address (see (b)). TensorRT's
+    tensors are dense: a strided view here would be read as if it were, so it is refused."""
+    for name, t in zip([*plan.inputs, *plan.outputs], [*inputs, *outputs]):
+        if not t.is_contiguous():
+            raise ValueError(f"{plan.name}: argument {name} is a strided view; TensorRT passes dense tensors")
     pointers = [np.array([t.data_ptr()], dtype=np.uint64) for t in inputs]
     scalars = [np.array([int(v)], dtype=np.int32) for v in plan.scalars.values()]
     results = [np.array([t.data_ptr()], dtype=np.uint64) for t in outputs]

@@ -86,10 +86,12 @@ def _moe_kernel(weight_format: str, x, indices, weights, w1, w2, w3, w1_scale, w
 
 
 def _moe_reference(weight_format: str, x, indices, weights, w1, w2, w3, w1_scale, w2_scale, w3_scale, **attrs):
-    """plugins/moe.py on the dequantized weights; a masked pick (expert out of range) counts nothing."""
+    """plugins/moe.py on the dequantized weights in x's dtype (as its quantized ops decode them); a masked pick
+    (expert out of range) counts nothing."""
     experts = w1.shape[0]
     counted = (indices >= 0) & (indices < experts)
-    w1, w2, w3 = (dequantized(w, scale, weight_format) for w, scale in ((w1, w1_scale), (w2, w2_scale), (w3, w3_scale)))
+    w1, w2, w3 = (dequantized(w, scale, weight_format).to(x.dtype)
+                  for w, scale in ((w1, w1_scale), (w2, w2_scale), (w3, w3_scale)))
     return moe_ref.routed_experts(x, indices.clamp(0, experts - 1), torch.where(counted, weights, 0.0), w1, w2, w3,
                                   **attrs)
 
@@ -231,7 +233,7 @@ def make_inputs(op: str, z: SimpleNamespace, q_pos: torch.Tensor, draw: Draw, *,
 def _moe_inputs(weight_format: str, z: SimpleNamespace, T: int, draw: Draw) -> dict[str, torch.Tensor]:
     """x [T, D], each token's k distinct experts (the first token's all masked) and weights, and the experts' w1, w2,
     w3 as stored, with their scales (one-element stand-ins for float weights)."""
-    indices = draw.uniform(T, z.E).argsort(dim=1)[:, : z.k]
+    indices = draw.uniform(T, z.E).argsort(dim=1)[:, : z.k].contiguous()   # dense, as TensorRT passes it
     indices[0] = -1
     inputs = dict(x=draw.normal(T, z.D, dtype=z.dtype), indices=indices, weights=draw.uniform(T, z.k) + 0.1)
     shapes = dict(w1=(z.E, z.inter, z.D), w2=(z.E, z.D, z.inter), w3=(z.E, z.inter, z.D))

@@ -1,6 +1,7 @@
 """The `v4generate` command line: generate from an engine directory with speculative decoding.
 
-    v4generate ENGINE_DIR --prompt TEXT | --prompt-ids 1,2,3 [--max-new-tokens N] [--temperature T]
+    v4generate ENGINE_DIR --prompt TEXT | --prompt-ids 1,2,3 | --messages FILE.json [--thinking]
+               [--reasoning-effort E] [--show-prompt] [--max-new-tokens N] [--temperature T]
                [--top-p P] [--top-k K] [--seed S] [--drafter NAME] [--mtp K]
                [--confidence-scheduling auto|on|off] [--devices 0,1] [--stream] [--json]
 """
@@ -13,6 +14,7 @@ import signal
 import sys
 from pathlib import Path
 
+from v4engine.chat.encoding import DEFAULT_PROFILE, EFFORT_PROFILES, ChatError, declare_tools, encode_messages
 from v4engine.contract.errors import V4EngineError
 from v4engine.contract.stages import gpu_list
 from v4engine.contract.untrusted import first_line
@@ -30,6 +32,18 @@ def parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs the engine's tokenizer.json)")
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
+    src.add_argument("--messages", type=Path, help="a chat: a JSON file holding a list of messages (OpenAI's form: "
+                     "role, content, tool_calls, ...), or an object with \"messages\" and \"tools\"; encoded with "
+                     "DeepSeek-V4's chat encoding, the answer parsed into reasoning, content and tool calls")
+    p.add_argument("--thinking", action="store_true", help="with --messages: thinking mode (the answer reasons "
+                   "first, inside <think>...</think>); default chat mode")
+    p.add_argument("--reasoning-effort", choices=["low", "high", "max"], default=None, help="with --messages "
+                   "--thinking: the release's reasoning effort (0731: low, high, max; preview: high, max)")
+    p.add_argument("--chat-profile", choices=list(EFFORT_PROFILES), default=DEFAULT_PROFILE, help="with --messages: "
+                   "the release whose effort texts the encoding uses: 0731 (V4-Flash-0731) or preview (default "
+                   f"{DEFAULT_PROFILE})")
+    p.add_argument("--show-prompt", action="store_true", help="with --messages: print the encoded prompt string and "
+                   "exit (opens no engine)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples losslessly")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
@@ -83,7 +97,29 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + signal.SIGPIPE
 
 
+def read_chat(path: Path) -> tuple[list, list | None]:
+    """(messages, tools) of a --messages file: a list of messages, or {"messages": [...], "tools": [...]}."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise V4EngineError(f"--messages {path}: not a readable JSON file ({first_line(e)})") from None
+    if isinstance(data, dict):
+        return data.get("messages"), data.get("tools")
+    return data, None
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.messages is None and (args.thinking or args.reasoning_effort or args.show_prompt):
+        raise V4EngineError("--thinking, --reasoning-effort and --show-prompt go with --messages")
+    if args.messages is not None:
+        messages, tools = read_chat(args.messages)
+        if args.show_prompt:
+            try:
+                print(encode_messages(declare_tools(messages, tools), thinking=args.thinking,
+                                      reasoning_effort=args.reasoning_effort, profile=args.chat_profile), end="")
+            except ChatError as e:
+                raise V4EngineError(f"--messages {args.messages}: {e}") from None
+            return 0
     prompt = args.prompt
     if args.prompt_ids is not None:
         try:
@@ -97,7 +133,24 @@ def run(args: argparse.Namespace) -> int:
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
                               draft_sample_method=args.draft_sample_method)
-    if args.stream and not args.json:       # text pieces never split a character nor show a stop string
+    if args.messages is not None:
+        chat = generator.chat(messages, sampling, tools=tools, thinking=args.thinking,
+                              reasoning_effort=args.reasoning_effort, profile=args.chat_profile)
+        message = {"reasoning_content": chat.message.reasoning, "content": chat.message.content,
+                   "tool_calls": [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                                  for c in chat.message.tool_calls]}
+        if args.json:
+            print(json.dumps({"prompt_token_ids": chat.result.prompt_token_ids, "token_ids": chat.result.token_ids,
+                              "message": message, "finish_reason": chat.result.finish_reason}, ensure_ascii=False))
+        else:
+            if chat.message.reasoning:
+                print(f"[reasoning]\n{chat.message.reasoning}\n[answer]")
+            print(chat.message.content or "")
+            for call in message["tool_calls"]:
+                print(f"[tool call] {call['function']['name']}({call['function']['arguments']})")
+            print()
+            print(generator.totals.table())
+    elif args.stream and not args.json:       # text pieces never split a character nor show a stop string
         detok = IncrementalDetokenizer(generator.tokenizer, sampling.stop) if generator.tokenizer else None
         for chunk in generator.stream(prompt, sampling):
             print(detok.add(chunk) if detok else " ".join(map(str, chunk)) + " ", end="", flush=True)

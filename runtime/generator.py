@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from v4engine.chat.encoding import DEFAULT_PROFILE, ChatError, declare_tools, encode_messages
+from v4engine.chat.parsing import AssistantMessage, parse_answer
 from v4engine.contract.backends import BACKENDS
 from v4engine.contract.engine import EngineManifest
 from v4engine.contract.engine_folder import EngineFolder, EngineFormatError
@@ -25,7 +27,7 @@ from v4engine.contract.stages import check_devices
 from v4engine.contract.untrusted import first_line
 
 from .budget import Limits
-from .detokenize import IncrementalDetokenizer, final_text
+from .detokenize import IncrementalDetokenizer, cut_at_stop, final_text
 from .drafters import DRAFTERS, Drafter
 from .metrics import RequestMetrics
 from .sampling import DRAFT_SAMPLE_METHODS, RequestError, SamplingParams, is_integer
@@ -105,6 +107,13 @@ class GenerationResult:
     text: str | None
     finish_reason: str
     metrics: dict
+
+
+@dataclass
+class ChatResult:
+    prompt: str                        # the encoded prompt string (chat/encoding.py)
+    result: GenerationResult
+    message: AssistantMessage          # the answer parsed: reasoning, content, tool calls
 
 
 class Generator:
@@ -305,6 +314,29 @@ class Generator:
             for r in requests:
                 self.cancel(r)
         return [self._result(r) for r in requests]
+
+    def chat(self, messages: Sequence[Mapping[str, Any]], sampling: SamplingParams | None = None, *,
+             tools: list | None = None, thinking: bool = False, reasoning_effort: str | None = None,
+             profile: str = DEFAULT_PROFILE) -> ChatResult:
+        """One assistant turn: the messages through DeepSeek-V4's chat encoding (thinking or chat mode, the
+        release's reasoning efforts), the answer parsed into reasoning, content and tool calls. RequestError
+        names a message the encoder cannot render."""
+        try:
+            prompt = encode_messages(declare_tools(messages, tools), thinking=thinking,
+                                     reasoning_effort=reasoning_effort, profile=profile)
+        except ChatError as e:
+            raise RequestError(str(e)) from None
+        sampling = sampling or SamplingParams()
+        [result] = self.generate([prompt], sampling)
+        return ChatResult(prompt, result, parse_answer(self.answer_text(result.token_ids, sampling),
+                                                       thinking=thinking))
+
+    def answer_text(self, ids: Sequence[int], sampling: SamplingParams) -> str:
+        """The text of generated ids as the chat parser reads it: special tokens kept (V4's </think> and DSML
+        markers may be special tokens), less the stop token that ended them, cut at the first stop string."""
+        stop_ids = self.scheduler.stop_ids(sampling)
+        text = self.tokenizer.decode([int(t) for t in ids if t not in stop_ids], skip_special_tokens=False)
+        return cut_at_stop(text, sampling.stop)[0]
 
     def stream(self, prompt: Prompt, sampling: SamplingParams | None = None) -> Iterator[list[int]]:
         """Yield the token ids the request gains until it ends: one to k+1 per step (more when other callers'

@@ -106,3 +106,54 @@ class RequestMetrics:
                 ("verify steps", f"{self.verify_steps}"), ("tokens/s", f"{self.tokens_per_second:.1f}")]
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+# --------------------------------------------------------------------------- Prometheus series of a server
+@dataclass(frozen=True)
+class Series:
+    """One Prometheus series a server exports (Triton's v4_generate model and v4serve export the same)."""
+
+    name: str
+    doc: str
+    kind: str                                  # "counter", "gauge" or "histogram"
+    buckets: tuple[float, ...] = ()
+    per_position: bool = False                 # one series per draft position, label position="1".."k"
+
+
+SERIES: dict[str, Series] = {
+    "ttft": Series("v4_time_to_first_token_seconds", "Seconds from a request's arrival in the scheduler to its "
+                   "first token", "histogram", (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)),
+    "itl": Series("v4_inter_token_latency_seconds", "Seconds between two steps that give a request tokens (one "
+                  "observation per step; a step gives 1..k+1 tokens with MTP)", "histogram",
+                  (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)),
+    "drafted": Series("v4_draft_tokens_total", "Tokens drafted (by the engine's drafter, or the request's)",
+                      "counter"),
+    "accepted": Series("v4_accepted_draft_tokens_total", "Drafted tokens the target accepted", "counter"),
+    "verify_steps": Series("v4_verify_steps_total", "Verify steps (each accepts 0..k drafts)", "counter"),
+    "accepted_at": Series("v4_accepted_at_position_total", "Verify steps that accepted the draft at this position",
+                          "counter", per_position=True),
+    # a drafter with a confidence head (DSpark): mean confidence = confidence_total / confidence_steps_total
+    "confidence_at": Series("v4_draft_confidence_total", "The drafter's confidence in the draft at this position "
+                            "(sigmoid of its confidence head), summed over verify steps", "counter", per_position=True),
+    "confident_steps": Series("v4_draft_confidence_steps_total", "Verify steps whose draft at this position came "
+                              "with a confidence", "counter", per_position=True),
+    "generated": Series("v4_generated_tokens_total", "Tokens generated", "counter"),
+    "prefix_hits": Series("v4_prefix_hit_tokens_total", "Prompt tokens taken from the prefix cache instead of "
+                          "computed", "counter"),
+    "engine_steps": Series("v4_engine_steps_total", "Engine calls (draft and verify)", "counter"),
+    "waiting": Series("v4_queue_size", "Requests accepted and waiting for a batch slot", "gauge"),
+    "running": Series("v4_running_requests", "Requests in the running batch", "gauge"),
+    "pending": Series("v4_pending_requests", "Requests accepted and not finished (waiting + running)", "gauge"),
+    "cache_bytes": Series("v4_cache_bytes", "Cache bytes the running requests hold", "gauge"),
+}
+
+
+def finished_counts(m: RequestMetrics) -> list[tuple[str, int | None, float]]:
+    """(series key, draft position from 1 or None, increment) that a finished request adds to the counters."""
+    counts: list[tuple[str, int | None, float]] = [
+        ("drafted", None, m.drafted), ("accepted", None, m.accepted), ("verify_steps", None, m.verify_steps),
+        ("generated", None, m.generated), ("prefix_hits", None, m.prefix_hit_tokens)]
+    for key, values in (("accepted_at", m.accepted_at), ("confidence_at", m.confidence_at),
+                        ("confident_steps", m.confident_steps)):
+        counts += [(key, i + 1, value) for i, value in enumerate(values)]
+    return counts

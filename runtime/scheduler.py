@@ -206,17 +206,20 @@ class Scheduler:
                                 f"{pool_blocks} the pool holds (within the budget of {self.budget} bytes)")
         return capacity
 
+    def stop_ids(self, params: SamplingParams) -> frozenset[int]:
+        """The token ids that end a request: its stop_token_ids, and the model's eos unless it ignores it."""
+        eos = self.cfg.eos_token_id
+        eos = [] if params.ignore_eos or eos is None else eos if isinstance(eos, list) else [eos]
+        return frozenset(int(t) for t in (*params.stop_token_ids, *eos))
+
     def submit(self, prompt: list[int], params: SamplingParams) -> Request:
         """Validate and queue a request; a bad one raises RequestError and changes nothing."""
         capacity = self.validate(prompt, params)
         num_draft_tokens = self.num_draft_tokens(params)
-        eos = self.cfg.eos_token_id
-        eos = [] if params.ignore_eos or eos is None else eos if isinstance(eos, list) else [eos]
         request = Request(id=next(self._ids), prompt=[int(t) for t in prompt], params=params, capacity=capacity,
                           metrics=RequestMetrics(mtp=num_draft_tokens),
                           num_draft_tokens=num_draft_tokens, rng=np.random.default_rng(params.seed),
-                          stop_ids=frozenset(int(t) for t in (*params.stop_token_ids, *eos)),
-                          tokens=[int(t) for t in prompt])
+                          stop_ids=self.stop_ids(params), tokens=[int(t) for t in prompt])
         self.waiting.append(request)
         return request
 

@@ -96,9 +96,21 @@ class ServingLoop:
         return self.scheduler.max_batch + self.max_queue_size
 
     @property
+    def alive(self) -> bool:
+        """The scheduler thread runs (it stops only on close)."""
+        return self._thread.is_alive()
+
+    @property
     def queue_size(self) -> int:
         """Requests accepted and not yet running."""
         return max(0, self._in_flight - len(self.scheduler.active))
+
+    def gauges(self) -> dict[str, int]:
+        """The engine-step count and the gauges of runtime/metrics.py SERIES, as of now (read them on the
+        scheduler thread: from on_update)."""
+        waiting, running = self.queue_size, len(self.scheduler.active)
+        return {"engine_steps": self.scheduler.engine_steps, "waiting": waiting, "running": running,
+                "pending": waiting + running, "cache_bytes": self.scheduler.used_bytes}
 
     def submit(self, prompt: Prompt | Sequence[int], params: SamplingParams,
                is_cancelled: Callable[[], bool] | None = None) -> Stream:

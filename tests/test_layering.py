@@ -1,7 +1,8 @@
 """The import directions docs/architecture.md states, checked on the source's AST so they cannot drift.
 
     contract   <- plugins <- builder
-    contract   <- runtime <- builder, triton_repo
+    contract   <- chat    <- runtime, triton_repo, server
+    contract   <- runtime <- builder, triton_repo, server
     testkit    (test support) may import any part; no product part imports it
 
 Every import counts, at module level or inside a function (a lazy import is still a dependency). Two exceptions
@@ -21,17 +22,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PARTS = ("contract", "plugins", "runtime", "builder", "triton_repo", "testkit")
+PARTS = ("contract", "plugins", "chat", "runtime", "builder", "triton_repo", "server", "testkit")
 MAY_IMPORT = {
     "contract": {"contract"},
     "plugins": {"contract", "plugins"},
-    "runtime": {"contract", "runtime"},
+    "chat": {"contract", "chat"},
+    "runtime": {"contract", "chat", "runtime"},
     "builder": {"contract", "plugins", "runtime", "builder"},
-    "triton_repo": {"contract", "runtime", "triton_repo"},
+    "triton_repo": {"contract", "chat", "runtime", "triton_repo"},
+    "server": {"contract", "chat", "runtime", "server"},
     "testkit": set(PARTS),
 }
 EXCEPTIONS = {("runtime/sessions/tensorrt.py", "plugins"), ("builder/cli.py", "triton_repo")}
-TORCH_FREE = ("contract", "runtime", "triton_repo")          # no torch at import time
+TORCH_FREE = ("contract", "chat", "runtime", "triton_repo", "server")   # no torch at import time
 LAZY_TORCH = ("runtime/pool_arrays.py", "runtime/sessions/")   # torch inside functions, tensors on a device
 
 

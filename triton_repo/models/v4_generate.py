@@ -29,6 +29,7 @@ import triton_python_backend_utils as pb_utils
 
 from v4engine.runtime.budget import Limits
 from v4engine.runtime.generator import Generator
+from v4engine.runtime.metrics import SERIES, finished_counts
 from v4engine.runtime.sampling import SamplingParams
 from v4engine.runtime.scheduler import Request
 from v4engine.runtime.serving import ServingLoop, Stream
@@ -43,59 +44,28 @@ SETTINGS = tuple(t.name for t in SAMPLING if t.name in {f.name for f in fields(S
 
 
 class Metrics:
-    """The model's Prometheus series. Every MetricFamily stays referenced: Triton deletes a family whose Python
-    object is collected ("Invalid metric operation as the corresponding 'MetricFamily' has been deleted")."""
+    """The model's Prometheus series (runtime/metrics.py SERIES, which v4serve exports too). Every MetricFamily
+    stays referenced: Triton deletes a family whose Python object is collected ("Invalid metric operation as the
+    corresponding 'MetricFamily' has been deleted")."""
 
     def __init__(self, labels: dict[str, str], positions: int):
-        self.families: list = []
-
-        def series(name: str, doc: str, kind, buckets: list[float] | None = None, **extra: str):
-            family = pb_utils.MetricFamily(name=name, description=doc, kind=kind)
-            self.families.append(family)
-            return family.Metric(labels={**labels, **extra}, **({"buckets": buckets} if buckets else {}))
-
         F = pb_utils.MetricFamily
-        self.ttft = series("v4_time_to_first_token_seconds", "Seconds from a request's arrival in the scheduler to "
-                           "its first token", F.HISTOGRAM, [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10])
-        self.itl = series("v4_inter_token_latency_seconds", "Seconds between two steps that give a request tokens "
-                          "(one observation per step; a step gives 1..k+1 tokens with MTP)", F.HISTOGRAM,
-                          [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1])
-        self.drafted = series("v4_draft_tokens_total", "Tokens drafted (by the engine's drafter, or the request's)",
-                              F.COUNTER)
-        self.accepted = series("v4_accepted_draft_tokens_total", "Drafted tokens the target accepted", F.COUNTER)
-        self.verify_steps = series("v4_verify_steps_total", "Verify steps (each accepts 0..k drafts)", F.COUNTER)
-        self.accepted_at = [series("v4_accepted_at_position_total", "Verify steps that accepted the draft at "
-                                   "this position", F.COUNTER, position=str(i + 1)) for i in range(positions)]
-        # a drafter with a confidence head (DSpark): mean confidence = confidence_total / confidence_steps_total
-        self.confidence_at = [series("v4_draft_confidence_total", "The drafter's confidence in the draft at this "
-                                     "position (sigmoid of its confidence head), summed over verify steps", F.COUNTER,
-                                     position=str(i + 1)) for i in range(positions)]
-        self.confident_steps = [series("v4_draft_confidence_steps_total", "Verify steps whose draft at this position "
-                                       "came with a confidence", F.COUNTER, position=str(i + 1))
-                                for i in range(positions)]
-        self.generated = series("v4_generated_tokens_total", "Tokens generated", F.COUNTER)
-        self.prefix_hits = series("v4_prefix_hit_tokens_total", "Prompt tokens taken from the prefix cache instead "
-                                  "of computed", F.COUNTER)
-        self.engine_steps = series("v4_engine_steps_total", "Engine calls (draft and verify)", F.COUNTER)
-        self.waiting = series("v4_queue_size", "Requests accepted and waiting for a batch slot", F.GAUGE)
-        self.running = series("v4_running_requests", "Requests in the running batch", F.GAUGE)
-        self.pending = series("v4_pending_requests", "Requests accepted and not finished (waiting + running)",
-                              F.GAUGE)
-        self.cache_bytes = series("v4_cache_bytes", "Cache bytes the running requests hold", F.GAUGE)
+        kinds = {"counter": F.COUNTER, "gauge": F.GAUGE, "histogram": F.HISTOGRAM}
+        self.families = {key: F(name=s.name, description=s.doc, kind=kinds[s.kind]) for key, s in SERIES.items()}
+        self.series: dict = {}
+        for key, s in SERIES.items():
+            extra = {"buckets": list(s.buckets)} if s.buckets else {}
+            self.series[key] = ([self.families[key].Metric(labels={**labels, "position": str(i + 1)}, **extra)
+                                 for i in range(positions)] if s.per_position
+                                else self.families[key].Metric(labels=labels, **extra))
 
     def finished(self, request: Request) -> None:
-        m = request.metrics
-        self.drafted.increment(m.drafted)
-        self.accepted.increment(m.accepted)
-        self.verify_steps.increment(m.verify_steps)
-        for series, count in zip(self.accepted_at, m.accepted_at):
-            series.increment(count)
-        for series, total in zip(self.confidence_at, m.confidence_at):
-            series.increment(total)
-        for series, count in zip(self.confident_steps, m.confident_steps):
-            series.increment(count)
-        self.generated.increment(m.generated)
-        self.prefix_hits.increment(m.prefix_hit_tokens)
+        for key, position, value in finished_counts(request.metrics):
+            series = self.series[key]
+            if position is None:
+                series.increment(value)
+            elif position <= len(series):
+                series[position - 1].increment(value)
 
 
 class TritonPythonModel:
@@ -119,8 +89,7 @@ class TritonPythonModel:
                                                   "on": True, "off": False}.get(params.get("confidence_scheduling")))
         self.metrics = Metrics({"model": args["model_name"], "version": args["model_version"]},
                                positions=generator.scheduler.mtp)
-        self.gauges = (self.metrics.waiting, self.metrics.running, self.metrics.pending, self.metrics.cache_bytes)
-        self.exported = (0,) * (1 + len(self.gauges))  # engine steps, then each gauge: as last exported
+        self.exported: dict[str, int] = {}             # engine steps and each gauge, as last exported
         self.serving = ServingLoop(generator, max_queue_size=int(params["max_queue_size"]), on_update=self.export)
         self.relay = CancelRelay()
         self.report_prefix_hits = params.get("report_prefix_hits") == "on"
@@ -128,14 +97,14 @@ class TritonPythonModel:
     def export(self) -> None:
         """Whenever requests joined, left or stepped (on the scheduler's thread): engine steps and the gauges,
         each only when it changed (every update is a message to the Triton process)."""
-        scheduler = self.serving.scheduler
-        waiting, running = self.serving.queue_size, len(scheduler.active)
-        now = (scheduler.engine_steps, waiting, running, waiting + running, scheduler.used_bytes)
-        if now[0] != self.exported[0]:
-            self.metrics.engine_steps.increment(now[0] - self.exported[0])
-        for gauge, value, before in zip(self.gauges, now[1:], self.exported[1:]):
+        now = self.serving.gauges()
+        for key, value in now.items():
+            before = self.exported.get(key, 0)
             if value != before:
-                gauge.set(value)
+                if key == "engine_steps":
+                    self.metrics.series[key].increment(value - before)
+                else:
+                    self.metrics.series[key].set(value)
         self.exported = now
 
     async def execute(self, requests: list) -> None:
@@ -173,9 +142,9 @@ class TritonPythonModel:
             generated += update.tokens
             if update.tokens:
                 if last is None:
-                    self.metrics.ttft.observe(stream.request.metrics.time_to_first_token)
+                    self.metrics.series["ttft"].observe(stream.request.metrics.time_to_first_token)
                 else:
-                    self.metrics.itl.observe(update.time - last)
+                    self.metrics.series["itl"].observe(update.time - last)
                 last = update.time
             if streaming and update.tokens and not update.finished:
                 sender.send(self.response(echo, generated, len(update.tokens), key, stream.request.params.stop))

@@ -30,7 +30,7 @@ from .budget import Limits
 from .detokenize import IncrementalDetokenizer, cut_at_stop, final_text
 from .drafters import DRAFTERS, Drafter
 from .metrics import RequestMetrics
-from .sampling import DRAFT_SAMPLE_METHODS, RequestError, SamplingParams, is_integer
+from .sampling import DRAFT_SAMPLE_METHODS, RequestError, SamplingParams, TokenLogprob, is_integer
 from .scheduler import Request, Scheduler
 from .sessions import EngineSession, open_session, open_target
 from .verify_schedule import VerifyPlanner, profile_key, profile_step_costs, recorded_costs
@@ -107,6 +107,8 @@ class GenerationResult:
     text: str | None
     finish_reason: str
     metrics: dict
+    logprobs: list[TokenLogprob] | None = None          # per generated token (SamplingParams.logprobs)
+    prompt_logprobs: list[TokenLogprob] | None = None   # per prompt token after the first (.prompt_logprobs)
 
 
 @dataclass
@@ -281,7 +283,9 @@ class Generator:
         self._count(r)
         ids = r.generated
         text = final_text(self.tokenizer, ids, r.params.stop) if self.tokenizer is not None else None
-        return GenerationResult(r.prompt, ids, text, r.finish_reason or "", r.metrics.to_dict())
+        return GenerationResult(r.prompt, ids, text, r.finish_reason or "", r.metrics.to_dict(),
+                                r.logprobs if r.params.logprobs is not None else None,
+                                r.prompt_logprobs if r.params.prompt_logprobs is not None else None)
 
     def _count(self, r: Request) -> None:
         """Add an ended request to the totals, or raise the error of the failed step that ended it."""

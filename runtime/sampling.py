@@ -21,6 +21,7 @@ MAX_STOP_STRINGS = 16            # stop strings per request
 MAX_STOP_LENGTH = 256            # characters per stop string
 MAX_SEED = 2**64 - 1
 MAX_CACHE_SALT = 256             # characters of a cache_salt
+MAX_LOGPROBS = 20                # most likely alternatives reported per position
 
 
 class RequestError(V4EngineError):
@@ -74,6 +75,11 @@ class SamplingParams:
     cache_salt        None or a string of at most MAX_CACHE_SALT (256) characters that keys the prefix cache
                       (vLLM's field): requests of different salts never share an entry, so a tenant cannot learn
                       from timing whether another one sent a prompt. Not a sampling setting, but per request
+    logprobs          None, or from 0 to MAX_LOGPROBS (20): each generated token's log-probability under the
+                      target (the log-softmax of its raw logits, before temperature, top-k and top-p, as vLLM
+                      reports them) and that many most likely alternatives (Request.logprobs)
+    prompt_logprobs   the same for every prompt token after the first (Request.prompt_logprobs); the prompt is
+                      then computed whole, not taken from the prefix cache
 
     Refused: inf or NaN anywhere, bools for numbers, numbers given as text, a single string for `stop`.
     """
@@ -89,6 +95,8 @@ class SamplingParams:
     num_draft_tokens: int | None = None
     draft_sample_method: str | None = None
     cache_salt: str | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def validate(self) -> None:
         if not is_integer(self.max_new_tokens) or self.max_new_tokens <= 0:
@@ -116,6 +124,10 @@ class SamplingParams:
                                                 and len(self.cache_salt) <= MAX_CACHE_SALT):
             raise RequestError(f"cache_salt must be a string of at most {MAX_CACHE_SALT} characters "
                                f"(got {reprlib.repr(self.cache_salt)})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not (is_integer(value) and 0 <= value <= MAX_LOGPROBS):
+                raise RequestError(f"{name} must be an integer from 0 to {MAX_LOGPROBS} (got {reprlib.repr(value)})")
 
     @property
     def greedy(self) -> bool:
@@ -133,6 +145,25 @@ def check_stop(stop: Sequence[str]) -> None:
             raise RequestError(f"stop[{i}] must be a non-empty string (got {reprlib.repr(s)})")
         if len(s) > MAX_STOP_LENGTH:
             raise RequestError(f"stop[{i}] has {len(s)} characters; at most {MAX_STOP_LENGTH} are served")
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the target's raw logits, and the `top` most likely tokens' (id, logprob),
+    most likely first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+def token_logprob(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
+    """log_softmax(logits) [V] at `token`, in float64, and its `top` largest (ties by lower id)."""
+    x = logits.astype(np.float64)
+    shifted = x - x.max()
+    logp = shifted - np.log(np.exp(shifted).sum())                          # [V]
+    best = np.lexsort((np.arange(len(logp)), -logp))[:top] if top else ()
+    return TokenLogprob(int(token), float(logp[token]), tuple((int(i), float(logp[i])) for i in best))
 
 
 def distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:

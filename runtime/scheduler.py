@@ -41,7 +41,8 @@ from .engine_calls import EngineCalls
 from .metrics import RequestMetrics
 from .pool_arrays import NUMPY_DTYPES
 from .prefix_cache import PrefixCache, PrefixEntry
-from .sampling import RequestError, SamplingParams, accept_greedy, accept_sampled, distribution, draw, is_integer
+from .sampling import (RequestError, SamplingParams, TokenLogprob, accept_greedy, accept_sampled, distribution, draw,
+                       is_integer, token_logprob)
 from .sessions import EngineSession
 
 if TYPE_CHECKING:
@@ -88,6 +89,8 @@ class Request:
     error: BaseException | None = None
     arrival: float = field(default_factory=time.perf_counter)   # submitted: time to first token counts queueing
     stop_text: IncrementalDetokenizer | None = None   # its text, for stop strings (set by the Generator)
+    logprobs: list[TokenLogprob] = field(default_factory=list)          # per generated token, if asked
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)   # per prompt token after the first, if asked
 
     @property
     def generated(self) -> list[int]:
@@ -295,7 +298,7 @@ class Scheduler:
             request = self.waiting[0]
             context = request.context
             entry = self.prefix.lookup(context, len(context) - 1, request.params.cache_salt or "") \
-                if self.prefix is not None else None
+                if self.prefix is not None and request.params.prompt_logprobs is None else None
             shared = entry.length // self.prefix.block_tokens if entry is not None else 0   # full blocks only
             need = self.blocks_for(len(context) + 1) - shared
             if not self._free_blocks(promised + need, keep=entry):
@@ -401,6 +404,11 @@ class Scheduler:
                         ) -> None:
         """Commit a prefill chunk of n positions (and take a prefix snapshot there); after the last, sample the
         first token (not for a preempted request recomputing: its next token is already known)."""
+        if r.params.prompt_logprobs is not None:          # position p's logits score prompt token p + 1
+            start = r.target.length
+            for p in range(max(start, len(r.prompt_logprobs)), min(start + n, len(r.prompt) - 1)):
+                r.prompt_logprobs.append(token_logprob(out["logits"][b, p - start], r.prompt[p + 1],
+                                                       r.params.prompt_logprobs))
         self._commit(r, out, b, n, prefill=True)
         if self.prefix is not None:
             self.prefix.insert(r.context, r.target, self.drafter.snapshot(r) if self.drafter is not None else None,
@@ -409,7 +417,8 @@ class Scheduler:
             r.phase = Phase.DECODE
             if not r.generated:
                 r.metrics.time_to_first_token = time.perf_counter() - r.arrival
-                self._emit(r, [self._sample(r, out["logits"][b, n - 1])], new_tokens)
+                logits = out["logits"][b, n - 1 : n]                                            # [1, V]
+                self._emit(r, [self._sample(r, logits[0])], new_tokens, logits)
 
     def _verify(self, r: Request, out: dict[str, Any], b: int, new_tokens: dict[int, list[int]]) -> None:
         """Accept j of the drafts and one more token (greedy, or lossless rejection sampling against the
@@ -425,7 +434,7 @@ class Scheduler:
             r.metrics.record_verify(len(drafts), accepted, r.proposal.confidence)
         self._commit(r, out, b, accepted + 1, prefill=False)
         r.proposal = None
-        self._emit(r, drafts[:accepted] + [token], new_tokens)
+        self._emit(r, drafts[:accepted] + [token], new_tokens, logits)
 
     def _commit(self, r: Request, out: dict[str, Any], b: int, n: int, prefill: bool) -> None:
         """Write row b's first n new positions into r's target cache, and show them to the drafter."""
@@ -439,13 +448,16 @@ class Scheduler:
             return int(logits.argmax())
         return draw(distribution(logits, r.params), r.rng)
 
-    def _emit(self, r: Request, tokens: list[int], new_tokens: dict[int, list[int]]) -> None:
-        """Append generated tokens up to a stop condition; finish the request when one is met."""
+    def _emit(self, r: Request, tokens: list[int], new_tokens: dict[int, list[int]], logits: np.ndarray) -> None:
+        """Append generated tokens up to a stop condition; finish the request when one is met. logits [>= len(tokens),
+        V]: the target's raw logits each token was drawn from (for its logprobs, if asked)."""
         emitted = new_tokens.setdefault(r.id, [])
-        for token in tokens:
+        for i, token in enumerate(tokens):
             if token in r.stop_ids:
                 self._finish(r, "stop")
                 return
+            if r.params.logprobs is not None:
+                r.logprobs.append(token_logprob(logits[i], token, r.params.logprobs))
             r.tokens.append(token)
             r.metrics.generated += 1
             emitted.append(token)

@@ -4,7 +4,7 @@
     POST /v1/completions             text or token-id prompts, as they are (no chat encoding)
     POST /v1/chat/completions        messages through V4's chat encoding (chat/encoding.py); the answer parsed
                                      back into reasoning, content and tool calls (chat/parsing.py)
-    POST /tokenize, /detokenize      vLLM's shapes (lm-eval's remote tokenizer probes them)
+    POST /tokenize, /detokenize      vLLM's shapes; GET /tokenizer_info (lm-eval's remote tokenizer uses the three)
     GET  /health, /metrics           liveness; Prometheus series (runtime/metrics.py SERIES, as Triton's model)
 
 Every request of every client goes to one ServingLoop, whose thread steps the Generator: concurrent requests are
@@ -41,7 +41,7 @@ from v4engine.contract.errors import V4EngineError
 from v4engine.runtime.detokenize import IncrementalDetokenizer
 from v4engine.runtime.generator import Generator
 from v4engine.runtime.metrics import SERIES, RequestMetrics, finished_counts
-from v4engine.runtime.sampling import RequestError, SamplingParams
+from v4engine.runtime.sampling import RequestError, SamplingParams, TokenLogprob
 from v4engine.runtime.serving import QueueFullError, ServingLoop, Stream
 
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SamplingFields,
@@ -281,6 +281,36 @@ def _message(delta: Delta, thinking: bool | None, include_reasoning: bool, strea
     return out
 
 
+def _token_text(tokenizer, token: int) -> str:
+    return tokenizer.decode([token], skip_special_tokens=False)
+
+
+def completion_logprobs(tokenizer, tokens: Sequence[int], entries: Sequence[TokenLogprob | None], offset: int = 0
+                        ) -> dict:
+    """The completions API's logprobs object: each token's text, logprob (None for the prompt's first token,
+    which nothing scores), its most likely alternatives by text, and where its text starts."""
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token, entry in zip(tokens, entries):
+        text = _token_text(tokenizer, token)
+        out["tokens"].append(text)
+        out["text_offset"].append(offset)
+        offset += len(text)
+        out["token_logprobs"].append(entry.logprob if entry is not None else None)
+        out["top_logprobs"].append({_token_text(tokenizer, t): v for t, v in entry.top} if entry is not None
+                                   else None)
+    return out
+
+
+def chat_logprobs(tokenizer, entries: Sequence[TokenLogprob]) -> dict:
+    """The chat API's logprobs object: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}."""
+    def item(token: int, logprob: float) -> dict:
+        text = _token_text(tokenizer, token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, v) for t, v in e.top]}
+                        for e in entries]}
+
+
 def create_app(generator: Generator, options: ServerOptions) -> FastAPI:
     """The ASGI app serving `generator` (its ServingLoop starts now and stops with the app)."""
     server = Server(generator, options)
@@ -324,6 +354,19 @@ def create_app(generator: Generator, options: ServerOptions) -> FastAPI:
                                             "owned_by": "v4engine", "root": name, "parent": None,
                                             "max_model_len": server.max_model_len}]}
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request) -> dict:
+        """The special tokens' texts (lm-eval's remote tokenizer reads eos_token here, then uses /tokenize)."""
+        server.check_key(request)
+        cfg = generator.scheduler.cfg
+
+        def text(ids: int | list[int] | None) -> str | None:
+            first = ids[0] if isinstance(ids, list) and ids else ids
+            return server.tokenizer.id_to_token(first) if isinstance(first, int) else None
+
+        return {"eos_token": text(cfg.eos_token_id), "bos_token": text(cfg.bos_token_id),
+                "model_max_length": server.max_model_len}
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request) -> dict:
         server.check_key(request)
@@ -362,10 +405,12 @@ def create_app(generator: Generator, options: ServerOptions) -> FastAPI:
         server.check_key(request)
         server.check_model(body)
         body.refuse_unserved()
-        prompts = [server.encode(p) for p in body.prompts()]
+        given = body.prompts()
+        prompts = [server.encode(p) for p in given]
         params = [[server.sampling(body, body.max_tokens if body.max_tokens is not None else 16, ids, j)
                    for j in range(body.n)] for ids in prompts]
-        return await respond(request, body, prompts, params, thinking=None, kind="text_completion")
+        echo = [p if isinstance(p, str) else server.tokenizer.decode(p) for p in given] if body.echo else None
+        return await respond(request, body, prompts, params, thinking=None, kind="text_completion", echo=echo)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -377,24 +422,41 @@ def create_app(generator: Generator, options: ServerOptions) -> FastAPI:
         params = [[server.sampling(body, body.token_limit, ids, j) for j in range(body.n)]]
         return await respond(request, body, [ids], params, thinking=thinking, kind="chat.completion")
 
+    def logprobs_of(stream: Stream, text: ChoiceText, prompt: list[int], echo: bool, start: int = 0,
+                    offset: int = 0) -> dict | None:
+        """A choice's logprobs object for its tokens from `start` (and, echoing, its prompt's first)."""
+        request = stream.request
+        if request.params.logprobs is None:
+            return None
+        entries = request.logprobs[start: len(text.ids)]
+        if text.chat:
+            return chat_logprobs(server.tokenizer, entries)
+        tokens = text.ids[start:]
+        if echo:
+            tokens, entries = prompt + tokens, [None, *request.prompt_logprobs, *entries]
+        return completion_logprobs(server.tokenizer, tokens, entries, offset)
+
     async def respond(request: Request, body: SamplingFields, prompts: list[list[int]],
-                      params: list[list[SamplingParams]], thinking: bool | None, kind: str):
+                      params: list[list[SamplingParams]], thinking: bool | None, kind: str,
+                      echo: list[str] | None = None):
         streams = server.submit(prompts, params)
+        prompt_of = [ids for ids, choices in zip(prompts, params) for _ in choices]       # each choice's prompt
+        echo_of = [e for e, choices in zip(echo, params) for _ in choices] if echo is not None else None
         include_reasoning = getattr(body, "include_reasoning", True)
         texts = [ChoiceText(server.tokenizer, p, thinking, generator.scheduler.stop_ids(p))
                  for choices in params for p in choices]
         name = ("chatcmpl-" if thinking is not None else "cmpl-") + uuid.uuid4().hex
         head = {"id": name, "created": int(time.time()), "model": options.model_name}
         if body.stream:
-            return EventSourceResponse(stream_events(streams, texts, prompts, thinking, include_reasoning, head,
-                                                     body.include_usage), ping=15)
+            return EventSourceResponse(stream_events(streams, texts, prompts, prompt_of, echo_of, thinking,
+                                                     include_reasoning, head, body.include_usage), ping=15)
         deltas = await collect(request, streams, texts)
         choices = []
         for i, (stream, text, delta) in enumerate(zip(streams, texts, deltas)):
-            choice: dict[str, Any] = {"index": i, "logprobs": None,
+            choice: dict[str, Any] = {"index": i, "logprobs": logprobs_of(stream, text, prompt_of[i], bool(echo)),
                                       "finish_reason": server.finish_reason(stream, text), "stop_reason": None}
             if thinking is None:
-                choice["text"] = delta.content
+                choice["text"] = (echo_of[i] if echo_of is not None else "") + delta.content
             else:
                 choice["message"] = {"role": "assistant", **_message(delta, thinking, include_reasoning, False)}
                 if not delta.content and text.parser.tool_calls:
@@ -428,20 +490,22 @@ def create_app(generator: Generator, options: ServerOptions) -> FastAPI:
         return deltas
 
     async def stream_events(streams: list[Stream], texts: list[ChoiceText], prompts: list[list[int]],
-                            thinking: bool | None, include_reasoning: bool, head: dict, include_usage: bool):
+                            prompt_of: list[list[int]], echo_of: list[str] | None, thinking: bool | None,
+                            include_reasoning: bool, head: dict, include_usage: bool):
         """Server-sent events as OpenAI streams them: a first chunk per choice (chat: the role), deltas, a last
         chunk with its finish_reason, the usage chunk if asked, then [DONE]. An engine failure mid-stream is an
         error event before [DONE]."""
         chat = thinking is not None
         kind = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(index: int, delta: Delta | None = None, finish: str | None = None, first: bool = False) -> dict:
+        def chunk(index: int, delta: Delta | None = None, finish: str | None = None, first: bool = False,
+                  logprobs: dict | None = None) -> dict:
             if chat:
                 body = {"role": "assistant", "content": ""} if first else (
                     _message(delta, thinking, include_reasoning, True) if delta is not None else {})
-                choice = {"index": index, "delta": body, "logprobs": None, "finish_reason": finish}
+                choice = {"index": index, "delta": body, "logprobs": logprobs, "finish_reason": finish}
             else:
-                choice = {"index": index, "text": delta.content if delta is not None else "", "logprobs": None,
+                choice = {"index": index, "text": delta.content if delta is not None else "", "logprobs": logprobs,
                           "finish_reason": finish}
             if finish is not None:
                 choice["stop_reason"] = None
@@ -451,14 +515,24 @@ def create_app(generator: Generator, options: ServerOptions) -> FastAPI:
             if chat:
                 for i in range(len(streams)):
                     yield chunk(i, first=True)
+            offsets = [0] * len(streams)                  # text_offset of each choice's next token
             async for index, tokens, finished in server.updates(streams):
-                delta = texts[index].add(tokens)
+                text, start = texts[index], len(texts[index].ids)
+                echo = echo_of is not None and start == 0 and bool(tokens or finished)
+                delta = text.add(tokens)
                 if finished:
-                    rest = texts[index].finish()
+                    rest = text.finish()
                     delta = Delta(delta.reasoning + rest.reasoning, delta.content + rest.content,
                                   delta.tool_calls + rest.tool_calls)
-                if delta:
-                    yield chunk(index, delta)
+                if echo:
+                    delta.content = echo_of[index] + delta.content
+                logprobs = logprobs_of(streams[index], text, prompt_of[index], echo, start, offsets[index]) \
+                    if tokens or echo else None
+                if logprobs is not None and not chat:
+                    offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1]) \
+                        if logprobs["tokens"] else offsets[index]
+                if delta or logprobs is not None:
+                    yield chunk(index, delta, logprobs=logprobs)
                 if finished:
                     yield chunk(index, finish=server.finish_reason(streams[index], texts[index]))
             if include_usage:

@@ -1,9 +1,8 @@
 """The OpenAI API's request bodies as v4serve reads them, and how each becomes a runtime request.
 
 Pydantic checks the JSON's shape in strict mode (a number sent as text is refused, as the runtime refuses it);
-SamplingParams.validate then checks the values. Fields the runtime cannot honour exactly yet (logprobs, echo,
-penalties, logit_bias, a required or named tool_choice, structured output) are refused in one line instead of
-being ignored: a client that asked for them would get a different answer than it thinks. Fields no answer
+SamplingParams.validate then checks the values. Fields the runtime cannot honour exactly yet (penalties,
+logit_bias, a required or named tool_choice, structured output) are refused in one line instead of being ignored: a client that asked for them would get a different answer than it thinks. Fields no answer
 depends on (user, ...) are accepted and ignored.
 
 Thinking, in a chat request: off (chat mode) unless the request asks for it, as DeepSeek's reference encoder,
@@ -61,15 +60,13 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     cache_salt: str | None = None
     # not served yet: refused unless left at their defaults (refuse_unserved)
-    logprobs: Any = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[str, float] | None = None
 
     def refuse_unserved(self) -> None:
-        unserved = {"logprobs": self.logprobs is not None and self.logprobs is not False,
-                    "presence_penalty": self.presence_penalty != 0.0, "frequency_penalty": self.frequency_penalty != 0.0,
+        unserved = {"presence_penalty": self.presence_penalty != 0.0, "frequency_penalty": self.frequency_penalty != 0.0,
                     "repetition_penalty": self.repetition_penalty != 1.0, "logit_bias": bool(self.logit_bias)}
         for name, asked in unserved.items():
             if asked:
@@ -81,12 +78,18 @@ class SamplingFields(BaseModel):
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         seed = None if self.seed is None else (self.seed + choice) % 2**64
         top_k = self.top_k if self.top_k is not None and self.top_k > 0 else 0
+        logprobs, prompt_logprobs = self.logprob_counts()
         params = SamplingParams(max_new_tokens=max_tokens, temperature=1.0 if self.temperature is None else
                                 self.temperature, top_p=1.0 if self.top_p is None else self.top_p, top_k=top_k,
                                 seed=seed, stop=stop, stop_token_ids=tuple(self.stop_token_ids or ()),
-                                ignore_eos=self.ignore_eos, cache_salt=self.cache_salt)
+                                ignore_eos=self.ignore_eos, cache_salt=self.cache_salt, logprobs=logprobs,
+                                prompt_logprobs=prompt_logprobs)
         params.validate()
         return params
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        """(alternatives per generated token, per prompt token): None where not asked."""
+        return None, None
 
     @property
     def include_usage(self) -> bool:
@@ -96,8 +99,12 @@ class SamplingFields(BaseModel):
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
-    echo: bool = False
+    echo: bool = False                        # the prompt before the text (and its logprobs, with logprobs)
+    logprobs: int | None = None               # alternatives per token (OpenAI's legacy completions field)
     suffix: str | None = None
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        return self.logprobs, self.logprobs if self.echo else None
 
     def prompts(self) -> list[str | list[int]]:
         """Each prompt of the request: a text, a list of texts, token ids, or a list of token id lists."""
@@ -109,8 +116,6 @@ class CompletionRequest(SamplingFields):
 
     def refuse_unserved(self) -> None:
         super().refuse_unserved()
-        if self.echo:
-            raise APIError(400, "echo is not served by v4serve yet", "echo")
         if self.suffix:
             raise APIError(400, "suffix is not served: V4 has no fill-in-the-middle format", "suffix")
 
@@ -130,13 +135,17 @@ class ChatCompletionRequest(SamplingFields):
     thinking: Thinking | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: bool = True
+    logprobs: bool = False
     top_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
 
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None, None
+
     def refuse_unserved(self) -> None:
         super().refuse_unserved()
-        if self.top_logprobs:
-            raise APIError(400, "top_logprobs is not served by v4serve yet", "top_logprobs")
         if self.tool_choice not in (None, "none", "auto"):
             raise APIError(400, 'tool_choice must be "none" or "auto": a required or named tool needs structured '
                            "output, which v4serve does not serve", "tool_choice")

@@ -184,6 +184,41 @@ def test_streamed_chat_deltas_join_to_the_whole_message(client):
         assert "".join(reasoning) == (whole.choices[0].message.model_extra.get("reasoning_content") or "")
 
 
+def test_logprobs_are_the_generators_and_echo_scores_the_prompt(client, generator):
+    expected = generator.generate(PROMPTS[0], SamplingParams(max_new_tokens=6, logprobs=2, prompt_logprobs=2))[0]
+    answer = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0, logprobs=2,
+                                       echo=True)
+    logprobs = answer.choices[0].logprobs
+    scored = expected.prompt_logprobs + expected.logprobs
+    assert answer.choices[0].text == PROMPTS[0] + expected.text
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None     # nothing scores token 0
+    assert len(logprobs.token_logprobs) == len(expected.prompt_token_ids) + len(expected.token_ids)
+    assert all(abs(got - want.logprob) <= 1e-6 for got, want in zip(logprobs.token_logprobs[1:], scored))
+    assert all(max(top.values()) >= got - 1e-9 for got, top in zip(logprobs.token_logprobs[1:],
+                                                                   logprobs.top_logprobs[1:]))
+    assert "".join(logprobs.tokens) == answer.choices[0].text
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(c.top_logprobs) == 3 for c in content)
+    assert all(c.top_logprobs[0].logprob == c.logprob for c in content)                 # greedy: the best
+
+
+def test_lm_eval_scores_what_the_generator_generates(server, generator, tmp_path):
+    """lm-evaluation-harness as the field runs it (local-completions, the server's tokenizer, token-id prompts),
+    offline on tasks made from held-out Python: a generation task and a loglikelihood (multiple choice) one."""
+    pytest.importorskip("lm_eval")
+    from benchmarks.lm_eval_tiny import documents, evaluate, write_tasks
+
+    tasks = write_tasks(tmp_path / "tasks", count=24)
+    results = evaluate(server.port, tasks, tmp_path / "out", limit=12)
+    docs = documents(24)[:12]
+    generated = generator.generate([d["context"] for d in docs], SamplingParams(max_new_tokens=48, stop=("\n",)))
+    exact = sum(g.text.strip() == d["target"].strip() for g, d in zip(generated, docs)) / len(docs)
+    assert results["tiny_python_next_line"]["exact_match,none"] == pytest.approx(exact)
+    assert 0.0 <= results["tiny_python_choice"]["acc,none"] <= 1.0
+
+
 def test_sse_stream_as_curl_sees_it(server):
     connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
     connection.request("POST", "/v1/completions", json.dumps({"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 8,
@@ -202,7 +237,9 @@ def test_sse_stream_as_curl_sees_it(server):
 @pytest.mark.parametrize("path, body, status, param, words", [
     ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": -1}, 400, None, "temperature must be"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": "0.5"}, 400, "temperature", "valid number"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 1}, 400, "logprobs", "not served"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "presence_penalty": 1}, 400, "presence_penalty",
+     "not served"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 21}, 400, None, "logprobs must be an integer"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 99}, 400, "n", "less than or equal to 16"),
     ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model", "not served here"),
     ("/v1/completions", {"model": MODEL}, 400, "prompt", "Field required"),

@@ -85,10 +85,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve(engine: Path, mtp: int, port: int) -> subprocess.Popen:
-    """v4serve on `engine` at `port`, once /health answers."""
+def serve(engine: Path, mtp: int, port: int, *flags: str) -> subprocess.Popen:
+    """v4serve on `engine` at `port` (with v4serve's `flags`), once /health answers."""
     process = subprocess.Popen([sys.executable, "-m", "v4engine.server.cli", str(engine), "--port", str(port),
-                                "--mtp", str(mtp), "--served-model-name", "tiny-v4"],
+                                "--mtp", str(mtp), "--served-model-name", "tiny-v4", *flags],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:

@@ -341,12 +341,37 @@ def check_effort(effort: str | None, profile: str = DEFAULT_PROFILE) -> str:
 def declare_tools(messages: Sequence[Mapping[str, Any]], tools: list | None) -> list:
     """The messages with a request's tools declared on message 0: its system message, or a new empty one before
     it (as vLLM and TensorRT-LLM insert it)."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+        raise ChatError("messages must be a non-empty list of message objects")
     messages = list(messages)
     if not tools:
         return messages
     if messages and isinstance(messages[0], Mapping) and messages[0].get("role") == "system":
         return [{**messages[0], "tools": tools}, *messages[1:]]
     return [{"role": "system", "content": "", "tools": tools}, *messages]
+
+
+def encode_chat_document(text: str, profile: str = DEFAULT_PROFILE) -> str:
+    """The prompt of a chat sent as one JSON text (Triton's `messages` input): a list of messages, or an object
+    {"messages": [...], "tools": [...], "thinking": bool, "reasoning_effort": the encoder's name}. Equal
+    settings give the prompt v4serve and v4generate --messages give."""
+    try:
+        document = json.loads(text)
+    except ValueError as e:
+        raise ChatError(f"messages is not JSON ({e})") from None
+    if isinstance(document, list):
+        document = {"messages": document}
+    if not isinstance(document, dict):
+        raise ChatError("messages must be a JSON list of messages or an object holding one")
+    unknown = set(document) - {"messages", "tools", "thinking", "reasoning_effort"}
+    if unknown:
+        raise ChatError(f"messages: unknown field {sorted(unknown)[0][:40]!r} (known: messages, tools, thinking, "
+                        "reasoning_effort)")
+    thinking = document.get("thinking", False)
+    if not isinstance(thinking, bool):
+        raise ChatError("messages: thinking must be true or false")
+    return encode_messages(declare_tools(document.get("messages"), document.get("tools")), thinking=thinking,
+                           reasoning_effort=document.get("reasoning_effort"), profile=profile)
 
 
 def encode_messages(messages: Sequence[Mapping[str, Any]], *, thinking: bool, reasoning_effort: str | None = None,
@@ -369,4 +394,5 @@ def encode_messages(messages: Sequence[Mapping[str, Any]], *, thinking: bool, re
 
 
 __all__ = ["ASSISTANT", "BOS", "DEFAULT_PROFILE", "DSML", "EFFORT_PROFILES", "END_THINK", "EOS", "THINK",
-           "TOOL_CALLS_START", "USER", "ChatError", "check_effort", "declare_tools", "encode_messages", "to_json"]
+           "TOOL_CALLS_START", "USER", "ChatError", "check_effort", "declare_tools", "encode_chat_document",
+           "encode_messages", "to_json"]

@@ -42,6 +42,8 @@ def parser() -> argparse.ArgumentParser:
                    "engine's own draft graph's)")
     p.add_argument("--mtp", type=int, default=None, help="draft tokens per step, 0 (no drafting) to what the "
                    "drafter makes (default: the engine's k)")
+    p.add_argument("--no-prefix-cache", action="store_true", help="compute every prompt whole instead of reusing "
+                   "the caches of an earlier prompt's prefix (the tokens are the same either way)")
     p.add_argument("--chat-profile", choices=list(EFFORT_PROFILES), default="0731", help="the release whose "
                    "reasoning efforts the chat encoding renders: 0731 (V4-Flash-0731, low/high/max) or preview "
                    "(the first V4 releases, high/max) (default 0731)")
@@ -66,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         import uvicorn
 
         generator = Generator.from_engine_dir(args.engine_dir, drafter=args.drafter, mtp=args.mtp,
-                                              limits=Limits(max_batch=args.max_batch), own_process=True)
+                                              limits=Limits(max_batch=args.max_batch), own_process=True,
+                                              prefix_cache=not args.no_prefix_cache)
         options = ServerOptions(model_name=args.served_model_name or args.engine_dir.resolve().name,
                                 max_queue_size=args.max_queue_size,
                                 api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,

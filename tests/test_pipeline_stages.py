@@ -207,6 +207,14 @@ def test_fewer_devices_than_stages_is_one_line(engines):
         Generator.from_engine_dir(engines["fp8", 2], devices=[0, -1])
 
 
+@pytest.mark.skipif("CUDAExecutionProvider" in __import__("onnxruntime").get_available_providers(),
+                    reason="this ONNX Runtime has a GPU provider")
+def test_devices_on_a_machine_without_a_gpu_provider_are_refused_not_run_on_the_cpu(engines):
+    with pytest.raises(RequestError, match=r"devices: GPU 0 was asked for, but this ONNX Runtime has no "
+                                           r"CUDAExecutionProvider \(its providers: .*CPUExecutionProvider\)"):
+        Generator.from_engine_dir(engines["fp8", 2], devices=[0, 1])
+
+
 def test_the_clis_refuse_bad_stage_counts_in_one_line(engines, tiny_checkpoint, tmp_path):
     bin_dir = Path(sys.executable).parent
     out = tmp_path / "engine"

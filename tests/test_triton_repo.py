@@ -72,7 +72,7 @@ def test_ensemble_steps_are_fed_and_agree_on_types_and_shapes(variant):
 def test_the_client_facing_contract(variant):
     _, models = variant
     inputs = {t.name: t for t in models["ensemble"].input}
-    expected = ["text_input", "input_ids", "max_tokens", "stop", "temperature", "top_p", "top_k", "seed",
+    expected = ["text_input", "input_ids", "messages", "max_tokens", "stop", "temperature", "top_p", "top_k", "seed",
                 "num_draft_tokens", "draft_sample_method", "cache_salt", "ignore_eos", "stream",
                 "exclude_input_in_output"]
     assert list(inputs) == expected

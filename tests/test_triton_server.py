@@ -17,6 +17,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
+from v4engine.chat.encoding import encode_messages
 from v4engine.runtime.generator import Generator
 from v4engine.runtime.sampling import SamplingParams
 from v4engine.triton_repo import render
@@ -152,6 +153,17 @@ def test_generate_returns_the_runtime_text(server, runtime):
     assert len(metrics["per_position_acceptance"]) == 3 and metrics["time_to_first_token"] > 0
 
 
+def test_messages_go_through_v4s_chat_encoding_as_v4serve_encodes_them(server, runtime):
+    chat = {"messages": [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def f("}],
+            "thinking": True, "reasoning_effort": "high"}
+    prompt = encode_messages(chat["messages"], thinking=True, reasoning_effort="high")
+    text, ids = expected(runtime, prompt, max_new_tokens=12)
+    answer = generate(server, {"messages": json.dumps(chat), "max_tokens": 12})
+    assert answer["text_output"] == text and answer["output_ids"] == ids
+    refused = generate(server, {"messages": json.dumps([{"role": "wizard"}]), "max_tokens": 4})
+    assert refused["status"] == 400 and "messages[0].role must be one of" in refused["error"]
+
+
 def test_the_prefix_cache_is_no_oracle_on_other_clients_prompts(server):
     """Responses carry no hit count (only the Prometheus total does), and a cache_salt keys the prefix cache: a
     prompt sent under one salt is found again under that salt only."""
@@ -263,7 +275,7 @@ def test_metrics_are_on_the_metrics_port(server):
     ({"text_input": PROMPT}, "max_tokens is required"),
     ({"input_ids": [5, 6], "stream": False}, "max_tokens is required"),
     ({}, "missing required input(s) ['max_tokens']"),                # Triton's own words: no input at all
-    ({"max_tokens": 8}, "give the prompt as text_input or as input_ids"),
+    ({"max_tokens": 8}, "give the prompt as text_input, input_ids or messages"),
     ({"text_input": PROMPT, "max_tokens": 0}, "max_tokens must be from 1 to the engine's max_seq_len"),
     ({"text_input": PROMPT, "max_tokens": 100_000}, "max_tokens must be from 1 to the engine's max_seq_len"),
     ({"text_input": PROMPT, "max_tokens": 8, "num_draft_tokens": 4}, "num_draft_tokens must be an integer from 0 to 3"),

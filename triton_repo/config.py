@@ -84,8 +84,11 @@ STOP_STRINGS = Tensor("stop_strings", "STRING", (-1,))     # stop_words again: T
 
 TEXT_INPUT = Tensor("text_input", "STRING", optional=True)
 INPUT_IDS = Tensor("input_ids", "INT32", (-1,), optional=True)
+# a chat as JSON: messages, or {"messages", "tools", "thinking", "reasoning_effort"} (chat/encoding.py
+# encode_chat_document), encoded with DeepSeek-V4's chat encoding
+MESSAGES = Tensor("messages", "STRING", optional=True)
 STOP = Tensor("stop", "STRING", (-1,), optional=True)
-ENSEMBLE_INPUTS = (TEXT_INPUT, INPUT_IDS, replace(MAX_TOKENS, optional=True), STOP, *SAMPLING)
+ENSEMBLE_INPUTS = (TEXT_INPUT, INPUT_IDS, MESSAGES, replace(MAX_TOKENS, optional=True), STOP, *SAMPLING)
 ENSEMBLE_OUTPUTS = (TEXT_OUTPUT, OUTPUT_IDS, FINISH_REASON, METRICS)
 
 
@@ -99,8 +102,8 @@ class Model:
 
 
 PREPROCESSING = Model(
-    "preprocessing", inputs=(TEXT_INPUT, INPUT_IDS, MAX_TOKENS, STOP), outputs=(PROMPT_IDS, STOP_WORDS),
-    doc="text or token ids -> prompt ids; stop strings; max_tokens checked against the engine")
+    "preprocessing", inputs=(TEXT_INPUT, INPUT_IDS, MESSAGES, MAX_TOKENS, STOP), outputs=(PROMPT_IDS, STOP_WORDS),
+    doc="text, token ids or a chat -> prompt ids; stop strings; max_tokens checked against the engine")
 V4_GENERATE = Model(
     "v4_generate", inputs=(PROMPT_IDS, MAX_TOKENS, replace(STOP_WORDS, optional=True), *SAMPLING),
     outputs=(OUTPUT_IDS, ECHO_IDS, GENERATED_IDS, NEW_TOKENS, FINISH_REASON, METRICS, CANCEL_KEY, STOP_STRINGS),

@@ -57,6 +57,7 @@ from v4engine.contract.engine_folder import ELEMENT_TYPES, EngineFolder, EngineF
 from v4engine.contract.untrusted import first_line
 
 from ..pool_arrays import NUMPY_DTYPES, to_numpy
+from ..sampling import RequestError
 from ..static_calls import StaticCalls
 from . import EngineRunError, EngineSession, checked_outputs
 
@@ -138,7 +139,11 @@ def placement(folder: EngineFolder, manifest: EngineManifest, options: OnnxRunti
     compiled = manifest.compiled
     captured = compiled.cuda_graphs if isinstance(compiled, OnnxRuntimeCompiled) else ()
     gpu = _device_of(providers)
-    on_cuda = gpu is not None and gpu[0] == "CUDAExecutionProvider" and gpu[0] in ort.get_available_providers()
+    available = ort.get_available_providers()
+    if device is not None and gpu is not None and gpu[0] not in available:   # not quietly the CPU instead
+        raise RequestError(f"devices: GPU {device} was asked for, but this ONNX Runtime has no {gpu[0]} (its "
+                           f"providers: {', '.join(available)}); leave devices out to run on the CPU")
+    on_cuda = gpu is not None and gpu[0] == "CUDAExecutionProvider" and gpu[0] in available
     if options.cuda_graphs and not captured:
         raise EngineFormatError(f"{folder.directory}: built without --cuda-graphs, so its graphs cannot be "
                                 "recorded as CUDA graphs; rebuild with v4build --cuda-graphs")

@@ -1,8 +1,9 @@
 """preprocessing: the request as the client sent it -> prompt ids and stop strings for v4_generate.
 
 The prompt is `text_input` (UTF-8, tokenized with the engine's tokenizer.json by the runtime's own
-`v4engine.runtime.generator.encode_text`) or `input_ids` (token ids as given; v4_generate checks them against the
-vocabulary). `stop` strings are checked to be UTF-8 and empty ones dropped. What cannot be served is refused here
+`v4engine.runtime.generator.encode_text`), `input_ids` (token ids as given; v4_generate checks them against the
+vocabulary) or `messages` (a chat as JSON, through DeepSeek-V4's chat encoding: chat/encoding.py
+encode_chat_document, the prompt v4serve gives the same chat). `stop` strings are checked to be UTF-8 and empty ones dropped. What cannot be served is refused here
 with one line naming the input: no prompt or two, text that is not UTF-8 or longer than any servable prompt (before
 it is tokenized: megabytes would hold this one instance for seconds), an input holding more values than one,
 `max_tokens` absent (the ensemble lists it as optional so that this step runs to say so: config.MAX_TOKENS), <= 0
@@ -13,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from v4engine.chat.encoding import ChatError, encode_chat_document
 from v4engine.runtime.generator import encode_text, load_tokenizer, longest_prompt_bytes
 from v4engine.runtime.sampling import RequestError
 from v4engine.triton_repo.server import die_with_server
@@ -42,14 +44,21 @@ class TritonPythonModel:
         if max_tokens <= 0 or max_tokens > self.max_seq_len:
             raise RequestError(f"max_tokens must be from 1 to the engine's max_seq_len {self.max_seq_len} "
                                f"(got {max_tokens})")
-        text, ids = io.strings(request, "text_input"), io.array(request, "input_ids")
-        if (text == []) == (ids is None):
-            raise RequestError("give the prompt as text_input or as input_ids (exactly one of them)")
-        if text:
-            if len(text) != 1:
-                raise RequestError(f"text_input must hold one prompt (got {len(text)})")
-            prompt = encode_text(self.tokenizer, text[0], self.max_text_bytes)
-        else:
-            prompt = ids.tolist()
+        text, ids, chat = io.strings(request, "text_input"), io.array(request, "input_ids"), \
+            io.strings(request, "messages")
+        if [bool(text), ids is not None, bool(chat)].count(True) != 1:
+            raise RequestError("give the prompt as text_input, input_ids or messages (exactly one of them)")
+        for name, given in (("text_input", text), ("messages", chat)):
+            if len(given) > 1:
+                raise RequestError(f"{name} must hold one prompt (got {len(given)})")
+        if chat:
+            if self.max_text_bytes is not None and len(chat[0].encode()) > self.max_text_bytes:
+                raise RequestError(f"messages has {len(chat[0].encode())} bytes, more than a prompt this engine "
+                                   f"serves can hold ({self.max_text_bytes})")
+            try:
+                text = [encode_chat_document(chat[0])]
+            except ChatError as e:
+                raise RequestError(str(e)) from None
+        prompt = encode_text(self.tokenizer, text[0], self.max_text_bytes) if text else ids.tolist()
         stop = [s.encode() for s in io.strings(request, "stop") if s]
         return prompt, stop

@@ -31,7 +31,8 @@ triton-env: $(TRITON_STAMP)
 demo: setup
 	$(PY) examples/demo.py
 
-test: setup triton-env
+test:
+	$(MAKE) -j2 setup triton-env             # the two environments install side by side
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -q
 
 clean:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from v4engine.chat.encoding import EFFORT_PROFILES
 from v4engine.contract.errors import V4EngineError
+from v4engine.contract.stages import gpu_list
 from v4engine.runtime.budget import Limits
 from v4engine.runtime.drafters import DRAFTERS
 from v4engine.runtime.generator import Generator
@@ -42,6 +43,8 @@ def parser() -> argparse.ArgumentParser:
                    "engine's own draft graph's)")
     p.add_argument("--mtp", type=int, default=None, help="draft tokens per step, 0 (no drafting) to what the "
                    "drafter makes (default: the engine's k)")
+    p.add_argument("--devices", default=None, help="GPU of each pipeline stage, comma-separated, e.g. 0,1 for an "
+                   "engine built with --pipeline-stages 2 (default: where the backend runs by default)")
     p.add_argument("--no-prefix-cache", action="store_true", help="compute every prompt whole instead of reusing "
                    "the caches of an earlier prompt's prefix (the tokens are the same either way)")
     p.add_argument("--chat-profile", choices=list(EFFORT_PROFILES), default="0731", help="the release whose "
@@ -67,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import uvicorn
 
-        generator = Generator.from_engine_dir(args.engine_dir, drafter=args.drafter, mtp=args.mtp,
+        devices = gpu_list(args.devices, "--devices") if args.devices is not None else None
+        generator = Generator.from_engine_dir(args.engine_dir, drafter=args.drafter, mtp=args.mtp, devices=devices,
                                               limits=Limits(max_batch=args.max_batch), own_process=True,
                                               prefix_cache=not args.no_prefix_cache)
         options = ServerOptions(model_name=args.served_model_name or args.engine_dir.resolve().name,

@@ -22,6 +22,8 @@ MAX_STOP_LENGTH = 256            # characters per stop string
 MAX_SEED = 2**64 - 1
 MAX_CACHE_SALT = 256             # characters of a cache_salt
 MAX_LOGPROBS = 20                # most likely alternatives reported per position
+MAX_PENALTY = 2.0                # presence and frequency penalties, as OpenAI bounds them
+MAX_REPETITION_PENALTY = 10.0
 
 
 class RequestError(V4EngineError):
@@ -80,6 +82,12 @@ class SamplingParams:
                       reports them) and that many most likely alternatives (Request.logprobs)
     prompt_logprobs   the same for every prompt token after the first (Request.prompt_logprobs); the prompt is
                       then computed whole, not taken from the prefix cache
+    presence_penalty  from -2 to 2: subtracted from the logit of every token the output already holds (OpenAI's)
+    frequency_penalty from -2 to 2: subtracted once per time the output holds the token (OpenAI's)
+    repetition_penalty  in (0, 10]: the logit of every token of the prompt or the output is divided by it if
+                      positive, multiplied if not (CTRL's, as transformers and vLLM apply it); 1 is none
+                      Penalties shape the target's distribution at each position from the output before it
+                      (accepted drafts included), so drafts are verified against the penalized target: lossless
 
     Refused: inf or NaN anywhere, bools for numbers, numbers given as text, a single string for `stop`.
     """
@@ -97,6 +105,9 @@ class SamplingParams:
     cache_salt: str | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def validate(self) -> None:
         if not is_integer(self.max_new_tokens) or self.max_new_tokens <= 0:
@@ -124,6 +135,12 @@ class SamplingParams:
                                                 and len(self.cache_salt) <= MAX_CACHE_SALT):
             raise RequestError(f"cache_salt must be a string of at most {MAX_CACHE_SALT} characters "
                                f"(got {reprlib.repr(self.cache_salt)})")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not (is_finite(getattr(self, name)) and -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY):
+                raise RequestError(f"{name} must be a number from -2 to 2 (got {reprlib.repr(getattr(self, name))})")
+        if not (is_finite(self.repetition_penalty) and 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY):
+            raise RequestError(f"repetition_penalty must be a number in (0, {MAX_REPETITION_PENALTY:g}] (got "
+                               f"{reprlib.repr(self.repetition_penalty)})")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not (is_integer(value) and 0 <= value <= MAX_LOGPROBS):
@@ -132,6 +149,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
 def check_stop(stop: Sequence[str]) -> None:
@@ -164,6 +185,30 @@ def token_logprob(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
     logp = shifted - np.log(np.exp(shifted).sum())                          # [V]
     best = np.lexsort((np.arange(len(logp)), -logp))[:top] if top else ()
     return TokenLogprob(int(token), float(logp[token]), tuple((int(i), float(logp[i])) for i in best))
+
+
+def penalize(logits: np.ndarray, params: SamplingParams, prompt: Sequence[int], output: Sequence[int],
+             drafts: Sequence[int] = ()) -> np.ndarray:
+    """logits [n, V] with row i penalized for the output before its position: `output`, then drafts[:i]
+    (SamplingParams says how each penalty acts). The logits as they are for a request without penalties."""
+    if not params.penalized:
+        return logits
+    V = logits.shape[-1]
+    counts = np.bincount(np.asarray(output, np.int64), minlength=V)[:V].astype(np.float64)    # [V]
+    seen = np.zeros(V, bool)                                                                   # [V]
+    seen[np.asarray(prompt, np.int64)] = True
+    seen[counts > 0] = True
+    out = logits.astype(np.float64)                                                            # [n, V]
+    for i in range(len(out)):
+        if i:
+            counts[drafts[i - 1]] += 1
+            seen[drafts[i - 1]] = True
+        row = out[i]
+        if params.repetition_penalty != 1:
+            row[seen] = np.where(row[seen] > 0, row[seen] / params.repetition_penalty,
+                                 row[seen] * params.repetition_penalty)
+        row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    return out
 
 
 def distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:

@@ -42,7 +42,7 @@ from .metrics import RequestMetrics
 from .pool_arrays import NUMPY_DTYPES
 from .prefix_cache import PrefixCache, PrefixEntry
 from .sampling import (RequestError, SamplingParams, TokenLogprob, accept_greedy, accept_sampled, distribution, draw,
-                       is_integer, token_logprob)
+                       is_integer, penalize, token_logprob)
 from .sessions import EngineSession
 
 if TYPE_CHECKING:
@@ -425,11 +425,12 @@ class Scheduler:
         distributions the drafts were drawn from); commit the j + 1 positions whose inputs were right."""
         drafts = r.proposal.tokens
         logits = finite(out["logits"][b, : len(drafts) + 1], r)                           # [j + 1, V]
+        target = penalize(logits, r.params, r.prompt, r.generated, drafts)                # [j + 1, V]
         if r.params.greedy:
-            accepted, token = accept_greedy(logits, drafts)
+            accepted, token = accept_greedy(target, drafts)
         else:
             q = r.proposal.distributions(logits.shape[-1])                               # [j, V]
-            accepted, token = accept_sampled(distribution(logits, r.params), q, drafts, r.rng)
+            accepted, token = accept_sampled(distribution(target, r.params), q, drafts, r.rng)
         if drafts:
             r.metrics.record_verify(len(drafts), accepted, r.proposal.confidence)
         self._commit(r, out, b, accepted + 1, prefill=False)
@@ -443,7 +444,7 @@ class Scheduler:
             self.drafter.observe(r, {name: out[name][b] for name in self.drafter.reads}, n, prefill)
 
     def _sample(self, r: Request, logits: np.ndarray) -> int:
-        finite(logits, r)
+        logits = penalize(finite(logits, r)[None], r.params, r.prompt, r.generated)[0]
         if r.params.greedy:
             return int(logits.argmax())
         return draw(distribution(logits, r.params), r.rng)

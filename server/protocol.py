@@ -1,8 +1,8 @@
 """The OpenAI API's request bodies as v4serve reads them, and how each becomes a runtime request.
 
 Pydantic checks the JSON's shape in strict mode (a number sent as text is refused, as the runtime refuses it);
-SamplingParams.validate then checks the values. Fields the runtime cannot honour exactly yet (penalties,
-logit_bias, a required or named tool_choice, structured output) are refused in one line instead of being ignored: a client that asked for them would get a different answer than it thinks. Fields no answer
+SamplingParams.validate then checks the values. Fields the runtime cannot honour exactly yet (logit_bias, a
+required or named tool_choice, structured output) are refused in one line instead of being ignored: a client that asked for them would get a different answer than it thinks. Fields no answer
 depends on (user, ...) are accepted and ignored.
 
 Thinking, in a chat request: off (chat mode) unless the request asks for it, as DeepSeek's reference encoder,
@@ -59,18 +59,14 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = None
-    # not served yet: refused unless left at their defaults (refuse_unserved)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[str, float] | None = None
+    repetition_penalty: float = 1.0            # vLLM's extension
+    logit_bias: dict[str, float] | None = None  # not served: refused unless empty
 
     def refuse_unserved(self) -> None:
-        unserved = {"presence_penalty": self.presence_penalty != 0.0, "frequency_penalty": self.frequency_penalty != 0.0,
-                    "repetition_penalty": self.repetition_penalty != 1.0, "logit_bias": bool(self.logit_bias)}
-        for name, asked in unserved.items():
-            if asked:
-                raise APIError(400, f"{name} is not served by v4serve yet; leave it at its default", name)
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not served by v4serve yet; leave it out", "logit_bias")
 
     def sampling(self, max_tokens: int, choice: int) -> SamplingParams:
         """The runtime's parameters for choice `choice` of n: a seed of its own (seed + choice), so the n
@@ -83,7 +79,9 @@ class SamplingFields(BaseModel):
                                 self.temperature, top_p=1.0 if self.top_p is None else self.top_p, top_k=top_k,
                                 seed=seed, stop=stop, stop_token_ids=tuple(self.stop_token_ids or ()),
                                 ignore_eos=self.ignore_eos, cache_salt=self.cache_salt, logprobs=logprobs,
-                                prompt_logprobs=prompt_logprobs)
+                                prompt_logprobs=prompt_logprobs, presence_penalty=self.presence_penalty,
+                                frequency_penalty=self.frequency_penalty,
+                                repetition_penalty=self.repetition_penalty)
         params.validate()
         return params
 

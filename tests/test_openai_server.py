@@ -237,8 +237,9 @@ def test_sse_stream_as_curl_sees_it(server):
 @pytest.mark.parametrize("path, body, status, param, words", [
     ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": -1}, 400, None, "temperature must be"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": "0.5"}, 400, "temperature", "valid number"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "presence_penalty": 1}, 400, "presence_penalty",
-     "not served"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"5": 1.0}}, 400, "logit_bias", "not served"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "presence_penalty": 3}, 400, None,
+     "presence_penalty must be a number from -2 to 2"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 21}, 400, None, "logprobs must be an integer"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 99}, 400, "n", "less than or equal to 16"),
     ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model", "not served here"),

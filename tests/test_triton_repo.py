@@ -73,8 +73,8 @@ def test_the_client_facing_contract(variant):
     _, models = variant
     inputs = {t.name: t for t in models["ensemble"].input}
     expected = ["text_input", "input_ids", "messages", "max_tokens", "stop", "temperature", "top_p", "top_k", "seed",
-                "num_draft_tokens", "draft_sample_method", "cache_salt", "ignore_eos", "stream",
-                "exclude_input_in_output"]
+                "presence_penalty", "frequency_penalty", "repetition_penalty", "num_draft_tokens",
+                "draft_sample_method", "cache_salt", "ignore_eos", "stream", "exclude_input_in_output"]
     assert list(inputs) == expected
     # every input is optional to Triton, whose ensemble answers nothing at all when a required one is missing;
     # preprocessing requires max_tokens and says so by name (config.MAX_TOKENS)

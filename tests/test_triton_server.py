@@ -183,6 +183,10 @@ def test_sampling_settings_reach_the_runtime(server, runtime):
     settings = {"temperature": 0.8, "top_p": 0.9, "top_k": 40, "seed": 7}
     text, _ = expected(runtime, PROMPT, max_new_tokens=20, **settings)
     assert generate(server, {"text_input": PROMPT, "max_tokens": 20, **settings})["text_output"] == text
+    penalties = {"presence_penalty": 1.5, "frequency_penalty": 0.25, "repetition_penalty": 1.25}   # exact in fp32
+    text, _ = expected(runtime, PROMPT, max_new_tokens=20, **penalties)
+    assert text != expected(runtime, PROMPT, max_new_tokens=20)[0]
+    assert generate(server, {"text_input": PROMPT, "max_tokens": 20, **penalties})["text_output"] == text
 
 
 def test_generate_stream_pieces_join_to_the_runtime_text(server, runtime):

@@ -8,7 +8,9 @@ Two tasks, written as lm-eval task files with local JSONL data (no download):
   from other files, by loglikelihood (lm-eval sends echo + logprobs and sums the continuation's logprobs).
 
 lm-eval talks to the server as `local-completions`, with the server's own tokenizer (/tokenizer_info, /tokenize),
-token-id prompts and greedy generation. Both tasks' scores must be the same at every --mtp: speculative decoding
+token-id prompts and greedy generation; and as `local-chat-completions` (--apply_chat_template) for the generation
+task, each context a user message encoded with V4's chat encoding (so a model that never saw that encoding, as the
+tiny one, scores what it scores). Both tasks' scores must be the same at every --mtp: speculative decoding
 is lossless.
 
     python -m benchmarks.lm_eval_tiny --engine out/tiny-v4 --mtp 0 3 --limit 100 --work /tmp/lm-eval-tiny
@@ -103,12 +105,20 @@ def serve(engine: Path, mtp: int, port: int, *flags: str) -> subprocess.Popen:
     raise RuntimeError("v4serve did not come up in 180 s")
 
 
-def evaluate(port: int, tasks: Path, out: Path, limit: int | None) -> dict[str, dict]:
-    """lm-eval's results per task (its metrics), run offline against the server at `port`."""
-    args = [sys.executable, "-m", "lm_eval", "run", "--model", "local-completions", "--model_args",
-            f"model=tiny-v4,base_url=http://127.0.0.1:{port}/v1/completions,num_concurrent=1,max_retries=1,"
-            "max_gen_toks=48,max_length=4096,tokenized_requests=True",
-            "--include_path", str(tasks), "--tasks", ",".join(TASKS), "--batch_size", "1", "--output_path", str(out)]
+def evaluate(port: int, tasks: Path, out: Path, limit: int | None, chat: bool = False) -> dict[str, dict]:
+    """lm-eval's results per task (its metrics), run offline against the server at `port`: as
+    `local-completions` (both tasks), or with `chat` as `local-chat-completions` (the generation task: lm-eval's
+    chat client has no loglikelihood), each context sent as a user message through V4's chat encoding."""
+    if chat:
+        client = ["--model", "local-chat-completions", "--model_args",
+                  f"model=tiny-v4,base_url=http://127.0.0.1:{port}/v1/chat/completions,num_concurrent=1,"
+                  "max_retries=1,max_gen_toks=48", "--apply_chat_template", "--tasks", TASKS[0]]
+    else:
+        client = ["--model", "local-completions", "--model_args",
+                  f"model=tiny-v4,base_url=http://127.0.0.1:{port}/v1/completions,num_concurrent=1,max_retries=1,"
+                  "max_gen_toks=48,max_length=4096,tokenized_requests=True", "--tasks", ",".join(TASKS)]
+    args = [sys.executable, "-m", "lm_eval", "run", *client, "--include_path", str(tasks), "--batch_size", "1",
+            "--output_path", str(out)]
     if limit is not None:
         args += ["--limit", str(limit)]
     env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
@@ -137,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
             start = time.perf_counter()
             results = evaluate(port, tasks, args.work / f"out-mtp{mtp}", args.limit)
             seconds = time.perf_counter() - start
+            chat = evaluate(port, tasks, args.work / f"out-chat-mtp{mtp}", args.limit, chat=True)
+            results["chat " + TASKS[0]] = chat[TASKS[0]]
         finally:
             server.terminate()
             server.wait(30)

@@ -23,6 +23,7 @@ import onnx
 import torch
 from tqdm import tqdm
 
+from v4engine.chat.encoding import ENCODER_FILE, profile_of_encoder
 from v4engine.contract.backend_options import BackendOptions
 from v4engine.contract.backends import BACKENDS, INT8_CODES, STORED_BYTES
 from v4engine.contract.config import V4Config
@@ -47,6 +48,21 @@ from .stages import StageError, model_bytes, plan_stages
 from .weights import WeightGroup, WeightWriter, attach_weights, expert_form, serialize_without_data
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+MAX_ENCODER_BYTES = 1 << 20       # a checkpoint's encoding_dsv4.py is about 29 KB
+
+
+def chat_profile_of(checkpoint: Path) -> str | None:
+    """The release whose chat encoding the checkpoint ships (chat/encoding.py profile_of_encoder), read from its
+    encoding/encoding_dsv4.py as text; None without one. The file must lie inside the checkpoint folder."""
+    if not (checkpoint / ENCODER_FILE).is_file():
+        return None
+    path = checkpoint_file(checkpoint, ENCODER_FILE, str(checkpoint))
+    if path.stat().st_size > MAX_ENCODER_BYTES:
+        raise BuildError(f"{path}: {path.stat().st_size} bytes, more than a chat encoder holds "
+                         f"({MAX_ENCODER_BYTES}); refused")
+    return profile_of_encoder(path.read_bytes().decode("utf-8", "replace"))
+
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 TOOLS = ("torch", "onnx", "onnxscript", "onnxruntime", "safetensors", "v4engine")
 
@@ -291,6 +307,7 @@ def build(options: BuildOptions) -> EngineManifest:
             tokenizer = [f for f in TOKENIZER_FILES if (options.checkpoint / f).is_file()]
             for f in tokenizer:                      # only files inside the checkpoint folder are copied
                 shutil.copyfile(checkpoint_file(options.checkpoint, f, str(options.checkpoint)), tmp / f)
+            chat_profile = chat_profile_of(options.checkpoint)
             graphs = {}
             activations = ACTIVATION_DTYPES[options.dtype]
             for name, stage in parts.items():
@@ -305,6 +322,7 @@ def build(options: BuildOptions) -> EngineManifest:
                 model=cfg, backend=options.backend, mtp=options.mtp, drafter=draft.method if draft else None,
                 dtype=options.dtype, graphs=graphs,
                 caches=caches, weights=weights, experts=experts, stages=pipeline, tokenizer=tokenizer,
+                chat_profile=chat_profile,
                 checkpoint={"path": str(options.checkpoint.resolve()), "fingerprint": ckpt.fingerprint(),
                             "tensors": len(ckpt.names()), "scheme": ckpt.scheme},
                 tools=_versions(),

@@ -61,6 +61,15 @@ EFFORT_PROFILES: dict[str, dict[str | None, str]] = {
     "0731": {None: "", "low": "", "high": _EFFORT_ABSOLUTE_MAXIMUM, "max": _EFFORT_BEYOND_MAXIMUM},  # Flash-0731
 }
 DEFAULT_PROFILE = "0731"
+ENCODER_FILE = "encoding/encoding_dsv4.py"     # where a checkpoint ships its encoder
+
+
+def profile_of_encoder(source: str) -> str | None:
+    """Which release's encoder a checkpoint's encoding_dsv4.py is, from its text (never run): 0731's defines a table
+    of effort prompts, the preview's one maximum-effort text. None: neither."""
+    if "REASONING_EFFORT_PROMPTS" in source:
+        return "0731"
+    return "preview" if "REASONING_EFFORT_MAX" in source else None
 
 TOOLS_TEMPLATE = f"""## Tools
 
@@ -393,6 +402,6 @@ def encode_messages(messages: Sequence[Mapping[str, Any]], *, thinking: bool, re
                                               for i in range(len(merged)))
 
 
-__all__ = ["ASSISTANT", "BOS", "DEFAULT_PROFILE", "DSML", "EFFORT_PROFILES", "END_THINK", "EOS", "THINK",
+__all__ = ["ASSISTANT", "BOS", "DEFAULT_PROFILE", "DSML", "ENCODER_FILE", "EFFORT_PROFILES", "END_THINK", "EOS", "THINK",
            "TOOL_CALLS_START", "USER", "ChatError", "check_effort", "declare_tools", "encode_chat_document",
-           "encode_messages", "to_json"]
+           "encode_messages", "profile_of_encoder", "to_json"]

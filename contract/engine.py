@@ -28,6 +28,9 @@ from .stages import TARGET, Stage
 from .untrusted import JsonFields, parse_json, shown
 
 FORMAT = "v4engine"
+# The releases whose chat encoders differ (in their reasoning efforts): chat/encoding.py EFFORT_PROFILES renders
+# each. engine.json's optional `chat_profile` names the one the checkpoint's encoding/encoding_dsv4.py is.
+CHAT_PROFILES = ("preview", "0731")
 FORMAT_VERSION = 7          # 2: linked checkpoint files carry their header's SHA-256; 3: cache groups list view_rows;
                             # 4: the draft graph runs a whole draft cycle (k drafts per call); 5: the graphs read the
                             # runtime's cache pools through slots and a block table (rings without spare rows);
@@ -99,6 +102,7 @@ class EngineManifest:
     tools: dict[str, str] = field(default_factory=dict)
     build: dict[str, Any] = field(default_factory=dict)
     compiled: CompileRecord | None = None     # build.compile: what the backend's compile step recorded (None: not yet)
+    chat_profile: str | None = None           # the checkpoint's chat encoder's release (CHAT_PROFILES); None: unknown
 
     @property
     def limits(self) -> dict[str, int]:
@@ -144,6 +148,7 @@ class EngineManifest:
                                     for entry in self.stages]},
             "weights": {"files": [asdict(w) for w in self.weights], "experts": self.experts},
             "tokenizer": self.tokenizer, "checkpoint": self.checkpoint, "tools": self.tools,
+            "chat_profile": self.chat_profile,
             "build": self.build | ({"compile": self.compiled.to_dict()} if self.compiled is not None else {}),
         }
 
@@ -205,7 +210,8 @@ class EngineManifest:
             weights=[_weight_file(w, path, i) for i, w in enumerate(weights.get("files", list))],
             experts=weights.get("experts", str), stages=stages, tokenizer=field.items("tokenizer", str, []),
             checkpoint=field.get("checkpoint", dict, {}),
-            tools=field.get("tools", dict, {}), build=build, compiled=compiled)
+            tools=field.get("tools", dict, {}), build=build, compiled=compiled,
+            chat_profile=field.choice("chat_profile", (*CHAT_PROFILES, None), None))
         check_limits({name: manifest.build.get(name, default) for name, default in BUILT_LIMIT_DEFAULTS.items()},
                      model, f"{path}: field 'build'")
         manifest._check_profiles(path)

@@ -39,9 +39,10 @@ def parser() -> argparse.ArgumentParser:
                    "first, inside <think>...</think>); default chat mode")
     p.add_argument("--reasoning-effort", choices=["low", "high", "max"], default=None, help="with --messages "
                    "--thinking: the release's reasoning effort (0731: low, high, max; preview: high, max)")
-    p.add_argument("--chat-profile", choices=list(EFFORT_PROFILES), default=DEFAULT_PROFILE, help="with --messages: "
-                   "the release whose effort texts the encoding uses: 0731 (V4-Flash-0731) or preview (default "
-                   f"{DEFAULT_PROFILE})")
+    p.add_argument("--chat-profile", choices=list(EFFORT_PROFILES), default=None, help="with --messages: the "
+                   "release whose effort texts the encoding uses: 0731 (V4-Flash-0731) or preview; default: the one "
+                   f"engine.json names (from the checkpoint's encoder), else {DEFAULT_PROFILE} (and {DEFAULT_PROFILE} "
+                   "for --show-prompt, which opens no engine)")
     p.add_argument("--show-prompt", action="store_true", help="with --messages: print the encoded prompt string and "
                    "exit (opens no engine)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
@@ -116,7 +117,8 @@ def run(args: argparse.Namespace) -> int:
         if args.show_prompt:
             try:
                 print(encode_messages(declare_tools(messages, tools), thinking=args.thinking,
-                                      reasoning_effort=args.reasoning_effort, profile=args.chat_profile), end="")
+                                      reasoning_effort=args.reasoning_effort,
+                                      profile=args.chat_profile or DEFAULT_PROFILE), end="")
             except ChatError as e:
                 raise V4EngineError(f"--messages {args.messages}: {e}") from None
             return 0

@@ -321,10 +321,11 @@ class Generator:
 
     def chat(self, messages: Sequence[Mapping[str, Any]], sampling: SamplingParams | None = None, *,
              tools: list | None = None, thinking: bool = False, reasoning_effort: str | None = None,
-             profile: str = DEFAULT_PROFILE) -> ChatResult:
+             profile: str | None = None) -> ChatResult:
         """One assistant turn: the messages through DeepSeek-V4's chat encoding (thinking or chat mode, the
-        release's reasoning efforts), the answer parsed into reasoning, content and tool calls. RequestError
-        names a message the encoder cannot render."""
+        release's reasoning efforts: `profile`, by default the chat_profile property), the answer parsed into
+        reasoning, content and tool calls. RequestError names a message the encoder cannot render."""
+        profile = profile or self.chat_profile
         try:
             prompt = encode_messages(declare_tools(messages, tools), thinking=thinking,
                                      reasoning_effort=reasoning_effort, profile=profile)
@@ -334,6 +335,11 @@ class Generator:
         [result] = self.generate([prompt], sampling)
         return ChatResult(prompt, result, parse_answer(self.answer_text(result.token_ids, sampling),
                                                        thinking=thinking))
+
+    @property
+    def chat_profile(self) -> str:
+        """The release whose chat encoding the engine's checkpoint ships (engine.json), or DEFAULT_PROFILE."""
+        return self.manifest.chat_profile or DEFAULT_PROFILE
 
     def answer_text(self, ids: Sequence[int], sampling: SamplingParams) -> str:
         """The text of generated ids as the chat parser reads it: special tokens kept (V4's </think> and DSML

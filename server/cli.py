@@ -47,9 +47,10 @@ def parser() -> argparse.ArgumentParser:
                    "engine built with --pipeline-stages 2 (default: where the backend runs by default)")
     p.add_argument("--no-prefix-cache", action="store_true", help="compute every prompt whole instead of reusing "
                    "the caches of an earlier prompt's prefix (the tokens are the same either way)")
-    p.add_argument("--chat-profile", choices=list(EFFORT_PROFILES), default="0731", help="the release whose "
+    p.add_argument("--chat-profile", choices=list(EFFORT_PROFILES), default=None, help="the release whose "
                    "reasoning efforts the chat encoding renders: 0731 (V4-Flash-0731, low/high/max) or preview "
-                   "(the first V4 releases, high/max) (default 0731)")
+                   "(the first V4 releases, high/max); default: the one engine.json names (read from the "
+                   "checkpoint's encoding/encoding_dsv4.py at build time), else 0731")
     p.add_argument("--report-prefix-hits", action="store_true", help="report usage.prompt_tokens_details."
                    "cached_tokens (off by default: a client could learn from it what others sent)")
     p.add_argument("--max-body-bytes", type=int, default=16 * MiB, help="largest request body accepted, in "
@@ -77,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         options = ServerOptions(model_name=args.served_model_name or args.engine_dir.resolve().name,
                                 max_queue_size=args.max_queue_size,
                                 api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-                                chat_profile=args.chat_profile, report_prefix_hits=args.report_prefix_hits,
+                                chat_profile=args.chat_profile or generator.chat_profile,
+                                report_prefix_hits=args.report_prefix_hits,
                                 max_body_bytes=args.max_body_bytes)
         app = create_app(generator, options)
     except V4EngineError as e:

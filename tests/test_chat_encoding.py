@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from v4engine.chat.encoding import (BOS, EFFORT_PROFILES, EOS, ChatError, encode_messages)
 from v4engine.chat.parsing import AnswerParser, ToolCall, parse_answer, parse_tool_block
+from v4engine.runtime.sampling import RequestError
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
 WEATHER = {"type": "function", "function": {
@@ -279,3 +281,34 @@ def test_v4generate_shows_the_encoded_prompt_without_opening_an_engine(tmp_path)
                                      "user, assistant, tool, developer, latest_reminder (got 'wizard')"
     alone = v4generate(str(tmp_path / "no-engine"), "--prompt", "x", "--show-prompt")
     assert alone.returncode == 1 and "go with --messages" in alone.stderr
+
+
+# --------------------------------------------------------------------------- the release's encoder
+def test_the_profiles_are_the_engine_formats_and_a_checkpoints_encoder_names_its_own():
+    from v4engine.chat.encoding import profile_of_encoder
+    from v4engine.contract.engine import CHAT_PROFILES
+
+    assert tuple(EFFORT_PROFILES) == CHAT_PROFILES
+    assert profile_of_encoder('REASONING_EFFORT_PROMPTS = {"low": "", "high": ...}') == "0731"
+    assert profile_of_encoder('REASONING_EFFORT_MAX = ("Reasoning Effort: ...")') == "preview"
+    assert profile_of_encoder("def encode_messages(...): ...") is None
+
+
+def test_an_engine_records_its_checkpoints_encoder_and_the_chat_paths_render_its_efforts(tiny_checkpoint, tmp_path):
+    import shutil
+
+    from v4engine.builder.build import BuildOptions, build
+    from v4engine.runtime import Generator
+
+    checkpoint = Path(shutil.copytree(tiny_checkpoint("mixed", names="hf"), tmp_path / "ckpt"))
+    (checkpoint / "encoding").mkdir()
+    (checkpoint / "encoding" / "encoding_dsv4.py").write_text('REASONING_EFFORT_MAX = ("Reasoning Effort: ...")\n')
+    manifest = build(BuildOptions(checkpoint=checkpoint, output=tmp_path / "engine", mtp=3, progress=False))
+    assert manifest.chat_profile == "preview"
+    assert json.loads((tmp_path / "engine" / "engine.json").read_text())["chat_profile"] == "preview"
+    generator = Generator.from_engine_dir(tmp_path / "engine")
+    chat = generator.chat([{"role": "user", "content": "x"}], thinking=True, reasoning_effort="max")
+    assert chat.prompt == encode_messages([{"role": "user", "content": "x"}], thinking=True, reasoning_effort="max",
+                                          profile="preview")
+    with pytest.raises(RequestError, match="for the preview encoding"):
+        generator.chat([{"role": "user", "content": "x"}], thinking=True, reasoning_effort="low")

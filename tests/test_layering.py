@@ -1,7 +1,7 @@
 """The import directions docs/architecture.md states, checked on the source's AST so they cannot drift.
 
     contract   <- plugins <- builder
-    contract   <- chat    <- runtime, triton_repo, server
+    contract   <- chat    <- runtime, builder, triton_repo, server
     contract   <- runtime <- builder, triton_repo, server
     testkit    (test support) may import any part; no product part imports it
 
@@ -28,7 +28,7 @@ MAY_IMPORT = {
     "plugins": {"contract", "plugins"},
     "chat": {"contract", "chat"},
     "runtime": {"contract", "chat", "runtime"},
-    "builder": {"contract", "plugins", "runtime", "builder"},
+    "builder": {"contract", "plugins", "chat", "runtime", "builder"},
     "triton_repo": {"contract", "chat", "runtime", "triton_repo"},
     "server": {"contract", "chat", "runtime", "server"},
     "testkit": set(PARTS),

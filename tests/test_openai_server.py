@@ -217,6 +217,12 @@ def test_lm_eval_scores_what_the_generator_generates(server, generator, tmp_path
     exact = sum(g.text.strip() == d["target"].strip() for g, d in zip(generated, docs)) / len(docs)
     assert results["tiny_python_next_line"]["exact_match,none"] == pytest.approx(exact)
     assert 0.0 <= results["tiny_python_choice"]["acc,none"] <= 1.0
+    # lm-eval's chat client: each context a user message, through V4's chat encoding
+    chat = evaluate(server.port, tasks, tmp_path / "chat", limit=4, chat=True)
+    prompts = [encode_messages([{"role": "user", "content": d["context"]}], thinking=False) for d in docs[:4]]
+    answers = generator.generate(prompts, SamplingParams(max_new_tokens=48, stop=("\n",)))
+    exact = sum(a.text.strip() == d["target"].strip() for a, d in zip(answers, docs)) / 4
+    assert chat["tiny_python_next_line"]["exact_match,none"] == pytest.approx(exact)
 
 
 def test_sse_stream_as_curl_sees_it(server):

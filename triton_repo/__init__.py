@@ -98,7 +98,8 @@ def render(engine_dir: str | Path, out: str | Path, *, gpu: bool = False, max_ba
         options = Options(engine_dir=str(engine_dir), max_seq_len=manifest.limits["max_seq_len"],
                           max_batch=max_batch, max_queue_size=max_queue_size, instance_count=instance_count, gpu=gpu,
                           gpus=tuple(gpus), drafter=drafter, mtp=mtp, providers=providers,
-                          confidence_scheduling=confidence_scheduling, report_prefix_hits=report_prefix_hits is True)
+                          confidence_scheduling=confidence_scheduling, report_prefix_hits=report_prefix_hits is True,
+                          chat_profile=manifest.chat_profile)
         configs = model_configs(options)
     except ValueError as e:
         raise RenderError(f"{engine_dir}: cannot be written into a config.pbtxt: {e}") from None

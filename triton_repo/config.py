@@ -48,6 +48,7 @@ class Options:
     providers: tuple[str, ...] = ()  # execution providers for a backend whose sessions take them, on GPUs
     confidence_scheduling: bool | None = None    # None: the Generator's default (on for DSpark)
     report_prefix_hits: bool = False   # per-request metrics name prefix_hit_tokens (else only the Prometheus total)
+    chat_profile: str | None = None    # the engine's chat encoding release (engine.json; None: the default)
 
 
 # The settings a client may send, named as tensorrtllm_backend names them where it has the setting.
@@ -157,6 +158,8 @@ def python_model(model: Model, options: Options) -> mc.ModelConfig:
     values: dict[str, object] = {"engine_dir": options.engine_dir}
     if model is PREPROCESSING:
         values["max_seq_len"] = options.max_seq_len
+        if options.chat_profile is not None:
+            values["chat_profile"] = options.chat_profile
     if generate:
         values.update(max_batch=options.max_batch, max_queue_size=options.max_queue_size)
         values.update({name: value for name, value in (("drafter", options.drafter), ("mtp", options.mtp))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from v4engine.chat.encoding import ChatError, encode_chat_document
+from v4engine.chat.encoding import DEFAULT_PROFILE, ChatError, encode_chat_document
 from v4engine.runtime.generator import encode_text, load_tokenizer, longest_prompt_bytes
 from v4engine.runtime.sampling import RequestError
 from v4engine.triton_repo.server import die_with_server
@@ -28,6 +28,7 @@ class TritonPythonModel:
         params = io.parameters(args)
         self.tokenizer = load_tokenizer(params["engine_dir"])
         self.max_seq_len = int(params["max_seq_len"])
+        self.chat_profile = params.get("chat_profile", DEFAULT_PROFILE)
         self.max_text_bytes = longest_prompt_bytes(self.tokenizer, self.max_seq_len - 1) \
             if self.tokenizer is not None else None
 
@@ -56,7 +57,7 @@ class TritonPythonModel:
                 raise RequestError(f"messages has {len(chat[0].encode())} bytes, more than a prompt this engine "
                                    f"serves can hold ({self.max_text_bytes})")
             try:
-                text = [encode_chat_document(chat[0])]
+                text = [encode_chat_document(chat[0], self.chat_profile)]
             except ChatError as e:
                 raise RequestError(str(e)) from None
         prompt = encode_text(self.tokenizer, text[0], self.max_text_bytes) if text else ids.tolist()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import shutil
 import socket
 import subprocess
 import sys
@@ -238,6 +239,21 @@ def test_sse_stream_as_curl_sees_it(server):
     chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
     assert all(c["object"] == "text_completion" for c in chunks)
     assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="no curl on this machine")
+def test_curl_reads_the_chat_stream_to_its_end(server):
+    """curl -N, as the README shows it: server-sent events, the role first, text deltas, [DONE] last."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "stream": True,
+            "temperature": 0}
+    run = subprocess.run(["curl", "-sN", f"http://127.0.0.1:{server.port}/v1/chat/completions", "-H",
+                          "Content-Type: application/json", "-d", json.dumps(body)],
+                         capture_output=True, text=True, timeout=60)
+    events = [line.removeprefix("data: ") for line in run.stdout.splitlines() if line.startswith("data: ")]
+    assert run.returncode == 0 and events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
 @pytest.mark.parametrize("path, body, status, param, words", [

@@ -262,7 +262,9 @@ def make_tiny(out: str | Path, config: str = "mixed", seed: int = 0, quantize: s
 def character_tokenizer(vocab_size: int) -> str:
     """tokenizer.json of a tokenizer of single characters, for a tiny random model, so that its engine takes text
     like a real one: <bos> and <eos> at the tiny configs' ids (0, 1), <unk> for a character outside, then space,
-    newline, letters, digits and punctuation (the rarest last), as many as the vocabulary holds."""
+    newline, letters, digits and punctuation (the rarest last), as many as the vocabulary holds; every id left is a
+    reserved special token (`<reserved_N>`, decoded to nothing), so that any id the model can write is one of the
+    tokenizer's, as in a real checkpoint."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
     rare = "`~|^\\$"
@@ -270,10 +272,12 @@ def character_tokenizer(vocab_size: int) -> str:
     vocab = {"<bos>": 0, "<eos>": 1, "<unk>": 2}
     for c in (" \n" + string.ascii_lowercase + string.ascii_uppercase + string.digits + punctuation)[:vocab_size - 3]:
         vocab[c] = len(vocab)
+    reserved = [f"<reserved_{i}>" for i in range(len(vocab), vocab_size)]
+    vocab.update({name: len(vocab) + i for i, name in enumerate(reserved)})
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")    # every character
     tokenizer.decoder = decoders.Fuse()
-    tokenizer.add_special_tokens(["<bos>", "<eos>"])
+    tokenizer.add_special_tokens(["<bos>", "<eos>", *reserved])
     return tokenizer.to_str()
 
 

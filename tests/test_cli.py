@@ -99,3 +99,18 @@ def test_help_explains_every_flag():
         result = v4build(*args)
         assert result.returncode == 0 and "usage" in result.stdout
         assert all(flag in result.stdout for flag in flags)
+
+
+@pytest.mark.parametrize("config", ["mixed", "flash_like", "slice"])
+def test_make_tinys_tokenizer_holds_every_id_the_model_can_write(config):
+    """Ids past the characters are reserved special tokens: the engine's postprocessing and every decoder take
+    any id the model writes (the README's Triton chain on a make-tiny engine failed on id 210 of 256)."""
+    from tokenizers import Tokenizer
+
+    from v4engine.builder.tiny import CONFIGS, character_tokenizer
+
+    vocab = CONFIGS[config]["vocab_size"]
+    tokenizer = Tokenizer.from_str(character_tokenizer(vocab))
+    assert tokenizer.get_vocab_size() == vocab
+    assert tokenizer.decode([tokenizer.token_to_id("a"), vocab - 1, tokenizer.token_to_id("b")]) == "ab"
+    assert tokenizer.encode("def f(x):\n", add_special_tokens=False).tokens == list("def f(x):\n")

@@ -39,7 +39,7 @@ from v4engine.chat.encoding import ASSISTANT, DEFAULT_PROFILE, END_THINK, THINK,
 from v4engine.chat.parsing import AnswerParser, Delta, strip_markers
 from v4engine.contract.errors import V4EngineError
 from v4engine.runtime.detokenize import IncrementalDetokenizer
-from v4engine.runtime.generator import Generator
+from v4engine.runtime.generator import Generator, longest_prompt_bytes
 from v4engine.runtime.metrics import SERIES, RequestMetrics, finished_counts
 from v4engine.runtime.sampling import RequestError, SamplingParams, TokenLogprob
 from v4engine.runtime.serving import QueueFullError, ServingLoop, Stream
@@ -147,6 +147,7 @@ class Server:
         self.created = int(time.time())
         self.max_model_len = generator.scheduler.max_seq_len
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        self.prompt_bytes = longest_prompt_bytes(self.tokenizer, self.max_model_len)   # the most a prompt can hold
 
     # ------------------------------------------------------------------ checks
     def check_key(self, request: Request) -> None:
@@ -374,6 +375,10 @@ def create_app(generator: Generator, options: ServerOptions) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give either prompt or messages", "prompt")
         if body.prompt is not None:
+            size, most = len(body.prompt.encode("utf-8", "surrogatepass")), server.prompt_bytes
+            if size > most:                # tokenizing megabytes would hold the event loop for seconds
+                raise APIError(400, f"the prompt text has {size} bytes, more than a prompt this server serves can "
+                               f"hold ({most})", "prompt")
             try:
                 tokens = server.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens).ids
             except BaseException as e:         # noqa: BLE001 - a tokenizer panic is a BaseException
@@ -394,6 +399,9 @@ def create_app(generator: Generator, options: ServerOptions) -> FastAPI:
     async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
         server.check_key(request)
         server.check_model(body)
+        if len(body.tokens) > server.max_model_len:
+            raise APIError(400, f"tokens holds {len(body.tokens)} ids, more than a sequence of this server "
+                           f"({server.max_model_len}, max_model_len)", "tokens")
         for i, t in enumerate(body.tokens):
             if not 0 <= t < server.vocab_size:
                 raise APIError(400, f"tokens[{i}] = {t} is not a token id of this tokenizer (0.."

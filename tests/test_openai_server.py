@@ -274,6 +274,8 @@ def test_curl_reads_the_chat_stream_to_its_end(server):
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                               "tool_choice": "required"}, 400, "tool_choice", "structured output"),
     ("/detokenize", {"tokens": [1, -5]}, 400, "tokens", "tokens[1] = -5 is not a token id"),
+    ("/detokenize", {"tokens": [1] * 5000}, 400, "tokens", "more than a sequence of this server (4096"),
+    ("/tokenize", {"prompt": "x" * 4_000_000}, 400, "prompt", "more than a prompt this server serves can hold"),
 ])
 def test_bad_requests_get_the_openai_error_shape_naming_the_field(server, path, body, status, param, words):
     got, answer = server.post(path, body)

@@ -25,10 +25,11 @@ from pathlib import Path
 
 from benchmarks import built_engine
 from benchmarks.bench_generate import held_out_prompts
-from benchmarks.lm_eval_tiny import free_port, serve
+from benchmarks.lm_eval_tiny import serve
 from v4engine.runtime.budget import Limits
 from v4engine.runtime.generator import Generator
 from v4engine.runtime.sampling import SamplingParams
+from v4engine.triton_repo.server import free_ports
 
 TRAINED = Path(__file__).resolve().parent.parent / "examples" / "tiny-v4"
 
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     generator = Generator.from_engine_dir(engine, limits=Limits(max_batch=args.concurrent), own_process=True,
                                           prefix_cache=False)
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
-    port = free_port()
+    [port] = free_ports(1)
     server = serve(engine, 3, port, "--max-batch", str(args.concurrent), "--no-prefix-cache")
     rows: dict[str, list[tuple[float, float]]] = {k: [] for k in ("direct 1", "v4serve 1", "direct n", "v4serve n")}
     try:

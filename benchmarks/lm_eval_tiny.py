@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ import urllib.request
 from pathlib import Path
 
 from v4engine.testkit.corpus import stdlib_split
+from v4engine.triton_repo.server import free_ports
 
 CONTEXT_LINES = 6
 TASKS = ("tiny_python_next_line", "tiny_python_choice")
@@ -79,12 +79,6 @@ def write_tasks(folder: Path, count: int) -> Path:
         "doc_to_target: \"{{label}}\"\ntarget_delimiter: \"\"\nmetric_list:\n  - metric: acc\n"
         "    aggregation: mean\n    higher_is_better: true\nmetadata:\n  version: 1.0\n", encoding="utf-8")
     return folder
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve(engine: Path, mtp: int, port: int, *flags: str) -> subprocess.Popen:
@@ -141,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     tasks = write_tasks(args.work / "tasks", args.documents)
     scores = {}
     for mtp in args.mtp:
-        port = free_port()
+        [port] = free_ports(1)
         server = serve(args.engine, mtp, port)
         try:
             start = time.perf_counter()

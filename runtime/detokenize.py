@@ -56,6 +56,17 @@ def releasable(text: str, stop: Sequence[str], final: bool) -> tuple[str, bool]:
     return text[: len(text) - held_back(text, stop)], False
 
 
+class SpecialTokensKept:
+    """`tokenizer` whose decode keeps special tokens: a chat answer's text as its parser must see it (V4's </think>
+    and DSML markers may be special tokens, which a plain decode drops)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+
 def final_text(tokenizer, ids: Sequence[int], stop: Sequence[str] = ()) -> str:
     """The text of a finished sequence: its decode, ending before the first stop string."""
     return releasable(tokenizer.decode(list(ids)), stop, final=True)[0]

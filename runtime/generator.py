@@ -27,7 +27,7 @@ from v4engine.contract.stages import check_devices
 from v4engine.contract.untrusted import first_line
 
 from .budget import Limits
-from .detokenize import IncrementalDetokenizer, cut_at_stop, final_text
+from .detokenize import IncrementalDetokenizer, SpecialTokensKept, final_text
 from .drafters import DRAFTERS, Drafter
 from .metrics import RequestMetrics
 from .sampling import DRAFT_SAMPLE_METHODS, RequestError, SamplingParams, TokenLogprob, is_integer
@@ -342,11 +342,9 @@ class Generator:
         return self.manifest.chat_profile or DEFAULT_PROFILE
 
     def answer_text(self, ids: Sequence[int], sampling: SamplingParams) -> str:
-        """The text of generated ids as the chat parser reads it: special tokens kept (V4's </think> and DSML
-        markers may be special tokens), less the stop token that ended them, cut at the first stop string."""
-        stop_ids = self.scheduler.stop_ids(sampling)
-        text = self.tokenizer.decode([int(t) for t in ids if t not in stop_ids], skip_special_tokens=False)
-        return cut_at_stop(text, sampling.stop)[0]
+        """The text of generated ids as the chat parser reads it: special tokens kept, cut at the first stop
+        string (the token that ended a request is never among its ids)."""
+        return final_text(SpecialTokensKept(self.tokenizer), ids, sampling.stop)
 
     def stream(self, prompt: Prompt, sampling: SamplingParams | None = None) -> Iterator[list[int]]:
         """Yield the token ids the request gains until it ends: one to k+1 per step (more when other callers'

@@ -38,7 +38,7 @@ from starlette.exceptions import HTTPException
 from v4engine.chat.encoding import ASSISTANT, DEFAULT_PROFILE, END_THINK, THINK, ChatError, encode_messages
 from v4engine.chat.parsing import AnswerParser, Delta, strip_markers
 from v4engine.contract.errors import V4EngineError
-from v4engine.runtime.detokenize import IncrementalDetokenizer
+from v4engine.runtime.detokenize import IncrementalDetokenizer, SpecialTokensKept
 from v4engine.runtime.generator import Generator, longest_prompt_bytes
 from v4engine.runtime.metrics import SERIES, RequestMetrics, finished_counts
 from v4engine.runtime.sampling import RequestError, SamplingParams, TokenLogprob
@@ -61,32 +61,20 @@ class ServerOptions:
 
 
 # --------------------------------------------------------------------------- one choice's text
-class _KeepSpecialTokens:
-    """A tokenizer whose decode keeps special tokens: V4's </think> and DSML markers must reach the parser."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
-
-
 class ChoiceText:
     """A choice's text as its tokens come, as Deltas: the runtime's own decode for completions; for chat, the
-    decode with special tokens (less the stop token that ends it) read by the answer parser. Streamed or not,
-    the deltas join to the same message (both the detokenizer's pieces and the parser's deltas do)."""
+    decode with special tokens kept, read by the answer parser (Generator.answer_text's text, in pieces). Streamed
+    or not, the deltas join to the same message (both the detokenizer's pieces and the parser's deltas do)."""
 
-    def __init__(self, tokenizer, params: SamplingParams, thinking: bool | None, stop_ids: frozenset[int]):
-        self.chat, self.stop_ids = thinking is not None, stop_ids
-        self.detokenizer = IncrementalDetokenizer(_KeepSpecialTokens(tokenizer) if self.chat else tokenizer,
+    def __init__(self, tokenizer, params: SamplingParams, thinking: bool | None):
+        self.chat = thinking is not None
+        self.detokenizer = IncrementalDetokenizer(SpecialTokensKept(tokenizer) if self.chat else tokenizer,
                                                   params.stop)
         self.parser = AnswerParser(thinking) if self.chat else None
         self.ids: list[int] = []
 
     def add(self, tokens: Sequence[int]) -> Delta:
         self.ids += tokens
-        if self.chat:
-            tokens = [t for t in tokens if t not in self.stop_ids]     # a stop id only ever ends the request
         return self._read(self.detokenizer.add(tokens))
 
     def finish(self) -> Delta:
@@ -256,7 +244,7 @@ class Server:
 
     def reasoning_tokens(self, ids: list[int]) -> int:
         """Generated tokens before the one that completes </think> (all of them if none does)."""
-        keep = _KeepSpecialTokens(self.tokenizer)
+        keep = SpecialTokensKept(self.tokenizer)
         ends = bisect.bisect_left(range(len(ids) + 1), True, key=lambda n: END_THINK in keep.decode(ids[:n]))
         return max(ends - 1, 0) if ends <= len(ids) else len(ids)
 
@@ -451,8 +439,7 @@ def create_app(generator: Generator, options: ServerOptions) -> FastAPI:
         prompt_of = [ids for ids, choices in zip(prompts, params) for _ in choices]       # each choice's prompt
         echo_of = [e for e, choices in zip(echo, params) for _ in choices] if echo is not None else None
         include_reasoning = getattr(body, "include_reasoning", True)
-        texts = [ChoiceText(server.tokenizer, p, thinking, generator.scheduler.stop_ids(p))
-                 for choices in params for p in choices]
+        texts = [ChoiceText(server.tokenizer, p, thinking) for choices in params for p in choices]
         name = ("chatcmpl-" if thinking is not None else "cmpl-") + uuid.uuid4().hex
         head = {"id": name, "created": int(time.time()), "model": options.model_name}
         if body.stream:

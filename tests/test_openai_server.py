@@ -25,6 +25,7 @@ from v4engine.chat.encoding import encode_messages  # noqa: E402
 from v4engine.chat.parsing import parse_answer  # noqa: E402
 from v4engine.runtime.generator import Generator  # noqa: E402
 from v4engine.runtime.sampling import SamplingParams  # noqa: E402
+from v4engine.triton_repo.server import free_ports  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("openai_server")
 MODEL = "tiny-v4"
@@ -32,17 +33,11 @@ PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main(", "class
 KEY = "sk-test-key"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Served:
     """A v4serve process on a free port, stopped at teardown."""
 
     def __init__(self, engine: Path, *args: str):
-        self.port = free_port()
+        [self.port] = free_ports(1)
         self.process = subprocess.Popen(
             [sys.executable, "-m", "v4engine.server.cli", str(engine), "--port", str(self.port),
              "--served-model-name", MODEL, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -342,6 +337,6 @@ def test_a_full_server_answers_429_and_a_client_that_hangs_up_frees_its_slot(sma
 def test_v4serve_refuses_an_engine_without_a_tokenizer_in_one_line(engine_copy):
     (engine_copy / "tokenizer.json").unlink()
     result = subprocess.run([sys.executable, "-m", "v4engine.server.cli", str(engine_copy), "--port",
-                             str(free_port())], capture_output=True, text=True, timeout=120)
+                             str(free_ports(1)[0])], capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
     assert result.stderr.strip().count("\n") == 0 and "tokenizer.json is missing" in result.stderr

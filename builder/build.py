@@ -182,7 +182,7 @@ def exported_graph(cfg: V4Config, stage: Stage | None, options: BuildOptions, dr
     serialized without data, its sequence splits made Splits: a fresh copy of what builder/export_cache.py kept of
     the same export, or exported now."""
     is_draft = stage is None
-    cfg = exported_config(cfg)
+    cfg = exported_config(cfg, reads_drafter=is_draft or bool(draft and draft.captured_layers(cfg)))
     key = (json.dumps(cfg.to_dict(), sort_keys=True), stage, draft.method if draft else None, options.dtype,
            options.mtp if is_draft else 0, static and is_draft)
 
@@ -197,11 +197,14 @@ def exported_graph(cfg: V4Config, stage: Stage | None, options: BuildOptions, dr
     return onnx.ModelProto.FromString(cached_export(key, export))
 
 
-def exported_config(cfg: V4Config) -> V4Config:
+def exported_config(cfg: V4Config, reads_drafter: bool = True) -> V4Config:
     """The config a graph is exported from: the checkpoint's, less how it stores its weights (dtype, FP8 blocks,
-    MXFP4 experts), which only attach_weights and the backend's preparation read, after the export. So checkpoints
-    that differ only in storage share one export (the key is what the export reads)."""
-    return dataclasses.replace(cfg, torch_dtype="bfloat16", expert_dtype=None, quantization=None)
+    MXFP4 experts), which only attach_weights and the backend's preparation read, after the export, and less the
+    DSpark drafter's fields where the graph reads none (`reads_drafter` False: a target graph that captures no
+    layer for a drafter). So checkpoints that differ only in storage, or only in a drafter the graph does not
+    serve, share one export (the key is what the export reads)."""
+    return dataclasses.replace(cfg, torch_dtype="bfloat16", expert_dtype=None, quantization=None,
+                               dspark=cfg.dspark if reads_drafter else None)
 
 
 def add_functions(proto: onnx.ModelProto, sinkhorn_rounds: int | None = None) -> None:

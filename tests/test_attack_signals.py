@@ -68,7 +68,7 @@ def test_ctrl_c_in_any_stage_exits_130_and_leaves_nothing(checkpoint, tmp_path, 
 
     monkeypatch.setattr(build_module, stage, interrupted)
     out = tmp_path / "out"
-    assert v4build_main(["--checkpoint", str(checkpoint), "--output", str(out), "--mtp", "1", "--quiet"]) == 130
+    assert v4build_main(["--checkpoint", str(checkpoint), "--output", str(out), "--mtp", "3", "--quiet"]) == 130
     assert capsys.readouterr().err.strip().splitlines() == ["v4build: interrupted"]
     assert leftovers(out) == []
 

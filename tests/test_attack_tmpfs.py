@@ -44,13 +44,13 @@ def v4generate(*args) -> list[str]:
 def test_an_engine_on_a_tmpfs_links_its_weights_and_generates_the_same_tokens(tiny_checkpoint, tmp_path, quantize):
     checkpoint = tiny_checkpoint("flash_like", quantize=quantize)
     here = tmp_path / "engine"
-    assert subprocess.run(v4build("--checkpoint", checkpoint, "--mtp", "2", "--output", here)).returncode == 0
+    assert subprocess.run(v4build("--checkpoint", checkpoint, "--mtp", "3", "--output", here)).returncode == 0
     expected = subprocess.run(v4generate(here, "--prompt-ids", PROMPT, "--ignore-eos", "--json"),
                               capture_output=True, text=True, check=True).stdout
     mount = tmp_path / "tmpfs"
     engine = mount / "engine"
     done = in_tmpfs(mount, "64m",
-                    v4build("--checkpoint", checkpoint, "--mtp", "2", "--output", engine),
+                    v4build("--checkpoint", checkpoint, "--mtp", "3", "--output", engine),
                     [sys.executable, "-c", "import json, sys; print(json.dumps(json.load(open(sys.argv[1]))['weights']))",
                      str(engine / "engine.json")],
                     v4generate(engine, "--prompt-ids", PROMPT, "--ignore-eos", "--json"))
@@ -63,7 +63,7 @@ def test_an_engine_on_a_tmpfs_links_its_weights_and_generates_the_same_tokens(ti
 
 def test_a_full_disk_fails_the_build_in_one_line_and_leaves_nothing(tiny_checkpoint, tmp_path):
     mount = tmp_path / "tmpfs"
-    build = shlex.join(v4build("--checkpoint", tiny_checkpoint("flash_like", quantize="fp8"), "--mtp", "1",
+    build = shlex.join(v4build("--checkpoint", tiny_checkpoint("flash_like", quantize="fp8"), "--mtp", "3",
                                "--output", mount / "engine"))
     done = in_tmpfs(mount, "1m", ["sh", "-c", f"{build}; echo exit=$?; ls -A {shlex.quote(str(mount))}"])
     assert done.returncode == 0, done.stderr

@@ -45,7 +45,7 @@ def test_a_tensorrt_engine_refuses_onnxruntime_options_before_anything_opens(tin
     """TensorRT engines built --cuda-graphs always replay them: `cuda_graphs=False` is an error, not a silence. The
     options are read before any session is made (this machine has no TensorRT)."""
     checkpoint, _ = tiny_engine("mixed")
-    build(BuildOptions(checkpoint=checkpoint, output=tmp_path / "trt", mtp=1, backend="tensorrt",
+    build(BuildOptions(checkpoint=checkpoint, output=tmp_path / "trt", mtp=3, backend="tensorrt",
                        backend_options={"onnx_only": True}, progress=False))
     with pytest.raises(RequestError, match=r"^option 'cuda_graphs' is not one tensorrt engines take \(their session "
                                            r"options: none\)$"):

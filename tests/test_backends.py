@@ -40,7 +40,7 @@ def engines(tiny_engine, tmp_path_factory) -> Callable[[str], Path]:
     def make(name: str) -> Path:
         if name not in made:
             out = tmp_path_factory.mktemp("backends") / name
-            build(BuildOptions(checkpoint=checkpoint, output=out, mtp=1, backend=name, progress=False,
+            build(BuildOptions(checkpoint=checkpoint, output=out, mtp=3, backend=name, progress=False,
                                backend_options=WITHOUT_COMPILER.get(name, {})))
             made[name] = out
         return made[name]

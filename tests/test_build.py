@@ -16,10 +16,11 @@ import pytest
 import torch
 
 from hostile import env_without_export_cache
-from v4engine.builder.build import BuildOptions, build
+from v4engine.builder.build import BuildOptions, build, exported_config
 from v4engine.builder.checkpoint import Checkpoint
 from v4engine.builder.load import load_model
 from v4engine.builder.model import ModelState
+from v4engine.contract.config import V4Config
 from v4engine.contract.engine import EngineManifest
 from v4engine.runtime.sessions import open_session
 
@@ -83,7 +84,7 @@ def test_fp32_weights_are_referenced_without_a_cast(tiny_checkpoint, tmp_path):
 @pytest.mark.parametrize("quantize", ["fp8", "mxfp4"])
 def test_quantized_checkpoint_engine_equals_the_model(tiny_checkpoint, tmp_path, quantize):
     checkpoint = tiny_checkpoint("flash_like", quantize=quantize)
-    manifest = build(BuildOptions(checkpoint=checkpoint, output=tmp_path / "e", mtp=1, progress=False))
+    manifest = build(BuildOptions(checkpoint=checkpoint, output=tmp_path / "e", mtp=3, progress=False))
     refs = external_refs(tmp_path / "e" / "target.onnx")
     fp8 = refs["model.layers.0.attn.wq_a.weight.fp8"]
     assert fp8["location"].startswith("weights/model-"), "FP8 bytes stay in the checkpoint file"
@@ -192,3 +193,14 @@ def test_fp16_engine_matches_the_fp32_model_within_fp16_rounding(bf16_engine, tm
     feeds = {"input_ids": ids.numpy(), "positions": state.positions(40).numpy(), **state.pool_feeds("fp16")}
     got = open_session(tmp_path / "e", manifest, "target").run(feeds)["logits"]
     assert np.abs(got - want).max() <= 2e-2 * max(1.0, np.abs(want).max())
+
+
+def test_a_target_graph_that_serves_no_dspark_drafter_is_exported_from_the_config_without_it(tiny_checkpoint):
+    """The target model reads no dspark_* field; only a DSpark drafter's captured layers shape a target graph. So a
+    DSpark checkpoint built --mtp 0 (or for MTP) shares the target export of the same model without the drafter
+    (checked once by exporting both: 2,650 nodes each, identical but for node names)."""
+    plain = V4Config.from_file(tiny_checkpoint("mixed"))
+    with_dspark = V4Config.from_file(tiny_checkpoint("mixed", drafter="dspark"))
+    assert with_dspark.dspark is not None
+    assert exported_config(with_dspark, reads_drafter=False) == exported_config(plain, reads_drafter=False)
+    assert exported_config(with_dspark).dspark == with_dspark.dspark, "a graph that reads the drafter keeps it"

@@ -148,7 +148,7 @@ def test_stacked_moe_equals_the_per_expert_moe(gen, name):
 def mxfp4_engine(tiny_checkpoint, tmp_path_factory):
     checkpoint = tiny_checkpoint("flash_like", quantize="mxfp4")
     out = tmp_path_factory.mktemp("mxfp4") / "engine"
-    build(BuildOptions(checkpoint=checkpoint, output=out, mtp=2, progress=False))
+    build(BuildOptions(checkpoint=checkpoint, output=out, mtp=3, progress=False))
     return checkpoint, out
 
 

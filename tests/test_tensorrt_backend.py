@@ -59,7 +59,7 @@ def prepared(tiny_checkpoint, tmp_path_factory):
         if quantize not in made:
             checkpoint = tiny_checkpoint("flash_like", quantize=quantize)
             out = tmp_path_factory.mktemp("trt") / quantize
-            build(BuildOptions(checkpoint=checkpoint, output=out, mtp=2, backend="tensorrt", backend_options={"onnx_only": True},
+            build(BuildOptions(checkpoint=checkpoint, output=out, mtp=3, backend="tensorrt", backend_options={"onnx_only": True},
                                max_batch=4, max_seq_len=256, max_prefill_chunk=16, progress=False))
             made[quantize] = (checkpoint, out)
         return made[quantize]
@@ -218,7 +218,7 @@ def test_prepared_graphs_compute_what_the_onnxruntime_engine_computes(prepared, 
 
     checkpoint, engine = prepared(quantize)
     reference = tmp_path / "ort"
-    build(BuildOptions(checkpoint=checkpoint, output=reference, mtp=2, max_batch=4, max_seq_len=256, progress=False))
+    build(BuildOptions(checkpoint=checkpoint, output=reference, mtp=3, max_batch=4, max_seq_len=256, progress=False))
     same, verdict = compare_with_onnxruntime(
         EngineManifest.read(engine), reference,
         lambda graph: OnnxrtRunner(SessionFromOnnx(str(engine / f"{graph}.onnx"))), atol=1e-5)

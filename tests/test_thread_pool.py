@@ -42,7 +42,7 @@ def child(engine, mode: str, model: str = "") -> dict:
 
 
 def test_target_and_draft_share_one_pool_and_generate_the_same_tokens(tiny_engine, tmp_path):
-    _, engine = tiny_engine("mixed", mtp=2)
+    _, engine = tiny_engine("mixed")
     relu = tmp_path / "relu.onnx"
     onnx.save(helper.make_model(helper.make_graph(
         [helper.make_node("Relu", ["x"], ["y"])], "relu", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],

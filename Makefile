@@ -3,9 +3,6 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_WORKERS ?= 2
-# --no-compile: pip would byte-compile every installed module (torch's alone: 11 of its 16 s); Python compiles what
-# is imported, once, on first import. The venv's own pip installs the pinned sets as they are (no self-upgrade).
-PIP_INSTALL = -m pip install -q --no-compile
 # The serving environment: the Python of Triton's Python-backend stub (numpy < 2 there), see requirements-triton.txt
 TRITON_VENV ?= .venv-triton
 TRITON_STAMP := $(TRITON_VENV)/.installed
@@ -14,17 +11,19 @@ TRITON_STAMP := $(TRITON_VENV)/.installed
 
 $(STAMP): pyproject.toml requirements.txt
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) $(PIP_INSTALL) torch==2.13.0          # the CPU build on disk; never a CUDA one
-	$(PY) $(PIP_INSTALL) -r requirements.txt
-	$(PY) $(PIP_INSTALL) --no-deps -e .
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0          # the CPU build on disk; never a CUDA one
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
 setup: $(STAMP)
 
 $(TRITON_STAMP): pyproject.toml requirements-triton.txt
 	test -x $(TRITON_VENV)/bin/python || python3 -m venv $(TRITON_VENV)
-	$(TRITON_VENV)/bin/python $(PIP_INSTALL) -r requirements-triton.txt
-	$(TRITON_VENV)/bin/python $(PIP_INSTALL) --no-deps -e .
+	$(TRITON_VENV)/bin/python -m pip install -q --upgrade pip
+	$(TRITON_VENV)/bin/python -m pip install -q -r requirements-triton.txt
+	$(TRITON_VENV)/bin/python -m pip install -q --no-deps -e .
 	touch $(TRITON_STAMP)
 
 triton-env: $(TRITON_STAMP)

@@ -5,7 +5,8 @@ Three measurements, each selectable:
   runtime then runs this same code): one request with a random prompt of each `--contexts` length, MTP 3,
   then `--steps` decode steps. Per step, counted: host seconds (the step's wall time less its engine calls),
   bytes of the engine calls' inputs built on the host (every feed except the `pool.*` arrays, which go by
-  reference), and bytes written into the pools (CachePool.bytes_written; 0 where there are none). Medians. Each
+  reference), and bytes written into the pools (CachePool.bytes_written; 0 where there are none). Medians, and
+  the mean host seconds too: the first decode step (the first draft cycle after the prompt) counts there. Each
   context twice: host pools (numpy, as on the CPU provider) and `--device-pools` (torch tensors bound through
   ONNX Runtime's IOBinding, on the CPU here: the device path's host work without a GPU).
 - `prefix` (examples/tiny-v4, or the slice with `--on slice`): 16 requests sharing a `--prefix-tokens`
@@ -73,7 +74,8 @@ def host_work(engine: Path, context: int, steps: int, device_pools: bool = False
         if not scheduler.busy:
             break
     host, feeds, pool_bytes, engine_s = (statistics.median(column) for column in zip(*rows))
-    return {"context": context, "host_ms": host * 1e3, "fed_bytes": feeds, "written_bytes": pool_bytes,
+    return {"context": context, "host_ms": host * 1e3, "host_mean_ms": statistics.mean(r[0] for r in rows) * 1e3,
+            "fed_bytes": feeds, "written_bytes": pool_bytes,
             "engine_ms": engine_s * 1e3, "steps": len(rows)}
 
 
@@ -146,13 +148,13 @@ def main() -> None:
     args = p.parse_args()
     if "host" in args.what:
         engine = args.engine or slice_engine(args.slice, args.work)
-        print("| context | pools | host ms / step | input bytes built / step | bytes written to pools / step | "
-              "engine ms / step |\n|---|---|---|---|---|---|")
+        print("| context | pools | host ms / step | mean | input bytes built / step | bytes written to pools / step | "
+              "engine ms / step |\n|---|---|---|---|---|---|---|")
         for context in args.contexts:
             for device_pools in (False, True) if args.device_pools else (False,):
                 row = host_work(engine, context, args.steps, device_pools)
                 print(f"| {row['context']} | {'torch (IOBinding)' if device_pools else 'numpy'} | "
-                      f"{row['host_ms']:.3f} | {row['fed_bytes']:,.0f} | {row['written_bytes']:,.0f} | "
+                      f"{row['host_ms']:.3f} | {row['host_mean_ms']:.3f} | {row['fed_bytes']:,.0f} | {row['written_bytes']:,.0f} | "
                       f"{row['engine_ms']:.1f} |", flush=True)
     on = None
     if {"prefix", "memory"} & set(args.what):

@@ -88,3 +88,27 @@ def test_a_prefix_fork_and_a_preemption_give_the_cold_tokens(engine_of, drafter)
     assert sum(r.metrics["preemptions"] for r in results) > 0, "the pool ran out"
     assert [(r.token_ids, r.metrics["accepted_per_step"]) for r in results] == \
         [(r.token_ids, r.metrics["accepted_per_step"]) for r in want]
+
+
+@pytest.mark.parametrize("method", ["mtp", "dspark"])
+def test_a_long_prompt_leaves_a_draft_graph_only_the_rows_its_rings_read(engine_of, method):
+    """A drafter with a graph keeps, of a prompt's target rows, only those a draft cycle can still read (R + 1 for
+    rings of R rows, at most twice that between cycles), copied out of the target's outputs: not the rows of every
+    prompt position until its first draft cycle. Its tokens are those of no drafting."""
+    engine = engine_of(method)
+    generator = Generator.from_engine_dir(engine, drafter=method, limits=Limits(max_prefill_chunk=16))
+    layout = generator.scheduler.drafter.parts["draft"]
+    read = max(g.rows_fixed for g in layout.groups) + 1
+    prompt = prompts(engine)[0] * 4                                   # longer than twice the rows read
+    assert len(prompt) > 2 * read
+    request = generator.submit(prompt, GREEDY)
+    while not request.generated:                                      # the prefill, in chunks of 16
+        generator.advance([request])
+    state = request.draft_state
+    assert read <= sum(len(p) for p in state.pending) <= 2 * read
+    assert all(p.base is None for p in state.pending[:1]), "the kept rows are copies, not views of an output"
+    assert state.cache.length + sum(len(p) for p in state.pending) == len(prompt)
+    while not generator.advance([request]):
+        pass
+    plain = Generator.from_engine_dir(engine, mtp=0).generate([prompt], GREEDY)[0].token_ids
+    assert request.tokens[len(prompt):] == plain

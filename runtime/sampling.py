@@ -192,27 +192,40 @@ def token_logprob(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
     return TokenLogprob(int(token), float(logp[token]), tuple((int(i), float(logp[i])) for i in best))
 
 
-def penalize(logits: np.ndarray, params: SamplingParams, prompt: Sequence[int], output: Sequence[int],
-             drafts: Sequence[int] = ()) -> np.ndarray:
-    """logits [n, V] with row i penalized for the output before its position: `output`, then drafts[:i]
-    (SamplingParams says how each penalty acts). The logits as they are for a request without penalties."""
-    if not params.penalized:
+class PenaltyCounts:
+    """What a penalized request's penalties read, kept as it generates: how often each token occurs in its output,
+    and which tokens its prompt or output hold. A verify then penalizes in O(V), not in the length of its prompt and
+    output (recounting them each verify cost 4.5 ms at 256 output tokens and 11.3 ms at 32K, V = 129,280)."""
+
+    def __init__(self, vocab_size: int, prompt: Sequence[int]):
+        self.counts = np.zeros(vocab_size, np.float64)                                         # [V]
+        self.seen = np.zeros(vocab_size, bool)                                                 # [V]
+        self.seen[np.asarray(prompt, np.int64)] = True
+
+    def add(self, token: int) -> None:
+        """One more output token."""
+        self.counts[token] += 1
+        self.seen[token] = True
+
+
+def penalize(logits: np.ndarray, params: SamplingParams, counts: PenaltyCounts | None, drafts: Sequence[int] = ()
+             ) -> np.ndarray:
+    """logits [n, V] with row i penalized for the output before its position: the output `counts` hold, then
+    drafts[:i] (SamplingParams says how each penalty acts). The logits as they are for a request without
+    penalties (counts None)."""
+    if counts is None:
         return logits
-    V = logits.shape[-1]
-    counts = np.bincount(np.asarray(output, np.int64), minlength=V)[:V].astype(np.float64)    # [V]
-    seen = np.zeros(V, bool)                                                                   # [V]
-    seen[np.asarray(prompt, np.int64)] = True
-    seen[counts > 0] = True
+    occurrences, seen = counts.counts.copy(), counts.seen.copy()                               # [V], [V]
     out = logits.astype(np.float64)                                                            # [n, V]
     for i in range(len(out)):
         if i:
-            counts[drafts[i - 1]] += 1
+            occurrences[drafts[i - 1]] += 1
             seen[drafts[i - 1]] = True
         row = out[i]
         if params.repetition_penalty != 1:
             row[seen] = np.where(row[seen] > 0, row[seen] / params.repetition_penalty,
                                  row[seen] * params.repetition_penalty)
-        row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+        row -= params.frequency_penalty * occurrences + params.presence_penalty * (occurrences > 0)
     return out
 
 

@@ -42,7 +42,7 @@ from .metrics import RequestMetrics
 from .pool_arrays import NUMPY_DTYPES
 from .prefix_cache import PrefixCache, PrefixEntry
 from .sampling import (RequestError, SamplingParams, TokenLogprob, accept_greedy, accept_sampled, distribution, draw,
-                       is_integer, penalize, token_logprob)
+                       PenaltyCounts, is_integer, penalize, token_logprob)
 from .sessions import EngineSession
 
 if TYPE_CHECKING:
@@ -91,6 +91,7 @@ class Request:
     stop_text: IncrementalDetokenizer | None = None   # its text, for stop strings (set by the Generator)
     logprobs: list[TokenLogprob] = field(default_factory=list)          # per generated token, if asked
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)   # per prompt token after the first, if asked
+    penalty: PenaltyCounts | None = None   # what its penalties read, if it has any (kept as it generates)
 
     @property
     def generated(self) -> list[int]:
@@ -222,7 +223,8 @@ class Scheduler:
         request = Request(id=next(self._ids), prompt=[int(t) for t in prompt], params=params, capacity=capacity,
                           metrics=RequestMetrics(mtp=num_draft_tokens),
                           num_draft_tokens=num_draft_tokens, rng=np.random.default_rng(params.seed),
-                          stop_ids=self.stop_ids(params), tokens=[int(t) for t in prompt])
+                          stop_ids=self.stop_ids(params), tokens=[int(t) for t in prompt],
+                          penalty=PenaltyCounts(self.cfg.vocab_size, prompt) if params.penalized else None)
         self.waiting.append(request)
         return request
 
@@ -425,7 +427,7 @@ class Scheduler:
         distributions the drafts were drawn from); commit the j + 1 positions whose inputs were right."""
         drafts = r.proposal.tokens
         logits = finite(out["logits"][b, : len(drafts) + 1], r)                           # [j + 1, V]
-        target = penalize(logits, r.params, r.prompt, r.generated, drafts)                # [j + 1, V]
+        target = penalize(logits, r.params, r.penalty, drafts)                            # [j + 1, V]
         if r.params.greedy:
             accepted, token = accept_greedy(target, drafts)
         else:
@@ -444,7 +446,7 @@ class Scheduler:
             self.drafter.observe(r, {name: out[name][b] for name in self.drafter.reads}, n, prefill)
 
     def _sample(self, r: Request, logits: np.ndarray) -> int:
-        logits = penalize(finite(logits, r)[None], r.params, r.prompt, r.generated)[0]
+        logits = penalize(finite(logits, r)[None], r.params, r.penalty)[0]
         if r.params.greedy:
             return int(logits.argmax())
         return draw(distribution(logits, r.params), r.rng)
@@ -460,6 +462,8 @@ class Scheduler:
             if r.params.logprobs is not None:
                 r.logprobs.append(token_logprob(logits[i], token, r.params.logprobs))
             r.tokens.append(token)
+            if r.penalty is not None:
+                r.penalty.add(token)
             r.metrics.generated += 1
             emitted.append(token)
             if len(r.tokens) - len(r.prompt) >= r.params.max_new_tokens or len(r.tokens) >= self.max_seq_len:

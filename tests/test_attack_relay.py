@@ -342,7 +342,8 @@ def test_stopping_serve_py_ends_every_child_and_frees_shared_memory(trained_engi
         connections = [live_stream(http_url) for _ in range(streams)]
         launcher.send_signal(stop)
         launcher.wait(120)
-        wait_for(lambda: not group_processes(server), what="tritonserver and its stubs to end", timeout=60)
+        wait_for(lambda: not group_processes(server), timeout=60,
+                 what=lambda: f"tritonserver and its stubs to end (left: {group_processes(server)})")
         assert shm_regions(prefix) == []
         if stop == signal.SIGKILL:          # tritonserver's own stop (or its stubs) removed the relay's socket;
             assert not list(temp_dir.glob("v4engine-cancel-*"))   # the folder only the stubs of a loaded one

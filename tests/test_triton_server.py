@@ -10,6 +10,7 @@ import queue
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -130,10 +131,12 @@ def metric(server, name: str) -> float:
     raise AssertionError(f"no {name} on the metrics port")
 
 
-def wait_for(condition, what: str, timeout: float = 30.0) -> None:
+def wait_for(condition, what: str | Callable[[], str], timeout: float = 30.0) -> None:
+    """Poll `condition` until it holds; after `timeout` fail, saying `what` (called then, if it is a function: a
+    message that shows what was left)."""
     deadline = time.monotonic() + timeout
     while not condition():
-        assert time.monotonic() < deadline, f"waited {timeout:.0f} s for {what}"
+        assert time.monotonic() < deadline, f"waited {timeout:.0f} s for {what() if callable(what) else what}"
         time.sleep(0.1)
 
 

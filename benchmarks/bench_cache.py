@@ -154,8 +154,8 @@ def main() -> None:
             for device_pools in (False, True) if args.device_pools else (False,):
                 row = host_work(engine, context, args.steps, device_pools)
                 print(f"| {row['context']} | {'torch (IOBinding)' if device_pools else 'numpy'} | "
-                      f"{row['host_ms']:.3f} | {row['host_mean_ms']:.3f} | {row['fed_bytes']:,.0f} | {row['written_bytes']:,.0f} | "
-                      f"{row['engine_ms']:.1f} |", flush=True)
+                      f"{row['host_ms']:.3f} | {row['host_mean_ms']:.3f} | {row['fed_bytes']:,.0f} | "
+                      f"{row['written_bytes']:,.0f} | {row['engine_ms']:.1f} |", flush=True)
     on = None
     if {"prefix", "memory"} & set(args.what):
         on = built_engine(TINY_V4, args.work / "tiny-v4") if args.on == "tiny" else slice_engine(args.slice, args.work)

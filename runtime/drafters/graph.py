@@ -68,6 +68,13 @@ class GraphDrafter(Drafter):
         self.graph_k = manifest.mtp                  # drafts per call of the graph (a request keeps its first k)
         self.parts = {self.spec.graph: manifest.caches[self.spec.graph]}
         self.dtype = NUMPY_DTYPES[manifest.dtype]     # of the source rows: what the target returns
+        layout = self.parts[self.spec.graph]
+        # Pending rows a cycle can still read (None: all, for a paged layout): the last R + 1 for rings of R rows. A
+        # ring of R rows holds the R positions before the one a row is computed at, and a ring row is its own
+        # position's: fed the last R + 1 rows, the cycle's last row reads only rows computed in it, and its commit
+        # (which writes only the last R positions of a call anyway, cache.py) leaves the rings exactly as if every
+        # row were fed.
+        self.rows_read = None if layout.paged else max(g.rows_fixed for g in layout.groups) + 1
 
     @property
     @abstractmethod
@@ -106,9 +113,8 @@ class GraphDrafter(Drafter):
         new = rows[self.source][:n]
         if state.cache is not None:                 # the graph reads these rows
             state.pending.append(new)
-            read = self._rows_read(state)
-            if read is not None and sum(len(p) for p in state.pending) > 2 * read:    # amortized: one copy per R rows
-                self._drop_unread(state)
+            if self.rows_read is not None and sum(len(p) for p in state.pending) > 2 * self.rows_read:
+                self._drop_unread(state)                # amortized: one copy per R + 1 rows
         if prefill and self.snapshots:
             keep = self.snapshot_rows
             state.tail = new[-keep:] if state.tail is None else np.concatenate([state.tail, new])[-keep:]
@@ -147,35 +153,19 @@ class GraphDrafter(Drafter):
         """The rows of the positions this cycle feeds: those pending, less those no draft reads again."""
         state: GraphDraftState = request.draft_state
         self._drop_unread(state)
-        return np.concatenate(state.pending)
-
-    @staticmethod
-    def _rows_read(state: GraphDraftState) -> int | None:
-        """Pending rows a cycle can still read: the last R + 1 for rings of R rows (None: all, for a paged layout). A
-        ring of R rows holds the R positions before the one a row is computed at, and a ring row is its own
-        position's: fed the last R + 1 rows, the cycle's last row reads only rows computed in it, and its commit
-        (which writes only the last R positions of a call anyway, cache.py) leaves the rings exactly as if every row
-        were fed."""
-        layout = state.cache.pool.layout
-        return None if layout.paged else max(g.rows_fixed for g in layout.groups) + 1
+        return state.pending[0]
 
     def _drop_unread(self, state: GraphDraftState) -> None:
-        """Drop the pending rows no cycle reads again, the cache's length moving past them; the rows kept are copied
-        out of the target's outputs they came from. Done as rows arrive, not at the next cycle: after a prompt of
-        32K positions, the kept rows are R + 1 of them, not the streams of all 32K (128 MiB on tiny-v4, 21 ms to
-        join at its first draft cycle)."""
-        keep = self._rows_read(state)
-        total = sum(len(p) for p in state.pending)
-        if keep is None or total <= keep:
+        """Drop the pending rows no cycle reads again, the cache's length moving past them, and copy the rest out of
+        the target's outputs they came from. Done as rows arrive (so at most 2(R + 1) and one call's rows are
+        joined here), not at the next cycle: after a prompt of 32K positions that was the streams of all 32K (128
+        MiB on tiny-v4, 21 ms to join at its first draft cycle)."""
+        rows = np.concatenate(state.pending)
+        if self.rows_read is None or len(rows) <= self.rows_read:
+            state.pending = [rows]
             return
-        kept: list[np.ndarray] = []
-        for part in reversed(state.pending):          # the last `keep` rows, newest part first
-            need = keep - sum(len(k) for k in kept)
-            kept.append(part[-need:] if len(part) > need else part)
-            if len(part) >= need:
-                break
-        state.cache.length += total - keep
-        state.pending = [np.concatenate(kept[::-1])]
+        state.cache.length += len(rows) - self.rows_read
+        state.pending = [rows[-self.rows_read:].copy()]
 
     def _call(self, requests: list[Any], parts: list[np.ndarray], drafting: list[bool]
               ) -> tuple[dict[str, np.ndarray], float]:

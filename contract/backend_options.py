@@ -73,7 +73,7 @@ class MIGraphXBuild(BackendOptions):
 class OnnxRuntimeSessionOptions(BackendOptions):
     kind: typing.ClassVar[str] = "session"
     providers: tuple | None = None   # execution providers (default: the CPU), names or (name, options)
-    threads: int | None = None       # intra-op threads of each session (default: one per physical core)
+    threads: int | None = None       # intra-op threads per session (default: OMP_NUM_THREADS, else one per core)
     device_pools: bool | None = None  # pools as torch tensors on the session's device (default: on a GPU provider)
     cuda_graphs: bool | None = None  # replay an engine built --cuda-graphs (default: on the CUDA provider)
 

@@ -22,6 +22,16 @@ from v4engine.builder.tiny import TINY_CONFIGS, make_tiny
 TINY = sorted(TINY_CONFIGS)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Each xdist worker takes its share of the cores (unless OMP_NUM_THREADS says otherwise): ONNX Runtime's
+    sessions (runtime/sessions/onnxruntime.py) and torch follow OMP_NUM_THREADS, in the workers, which inherit it
+    from here, and in every process they start. A thread per core in each worker made the workers' pools contend
+    for the same cores: test_incremental and test_runtime took 1.4 times as long."""
+    workers = getattr(config.option, "numprocesses", None)
+    if isinstance(workers, int) and workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // workers))
+
+
 @pytest.fixture(scope="session")
 def run_folder(tmp_path_factory, worker_id) -> Path:
     """A folder every xdist worker of this run shares (each worker's base temp lies in it)."""

@@ -11,7 +11,9 @@ reads ORT_QMOE_CPU_QNBIT_GEMM when a session is made, and by default quantizes a
 So it is set to fp32 when this module is imported, for the whole process (a later session of anyone's reads it too;
 it only makes QMoE exact).
 
-Threads. By default each session has its own intra-op pool, and a session that takes turns with another (target
+Threads. By default each session has its own intra-op pool of OMP_NUM_THREADS threads where that is set (the
+convention torch and the BLAS libraries follow: processes that share cores, like a test run's workers, set it once
+for all), else ONNX Runtime's default, one per physical core; a session that takes turns with another (target
 and MTP draft) lets its idle threads sleep rather than spin: two spinning pools on two cores made MTP 3 slower
 than no drafting. `share_thread_pool()` gives every later session one process-wide pool instead, spinning, so the
 draft and the verify after it run on threads already awake. ONNX Runtime makes that switch for the whole process
@@ -54,6 +56,7 @@ from v4engine.contract.buckets import Bucket
 from v4engine.contract.calls import captured_buckets
 from v4engine.contract.engine import EngineManifest
 from v4engine.contract.engine_folder import ELEMENT_TYPES, EngineFolder, EngineFormatError, MappedWeights, read_graph
+from v4engine.contract.errors import V4EngineError
 from v4engine.contract.untrusted import first_line
 
 from ..pool_arrays import NUMPY_DTYPES, to_numpy
@@ -97,13 +100,24 @@ def providers_on(providers: list[Provider], device: int) -> list[Provider]:
 _shared_pool = False             # share_thread_pool() ran: every session of this process uses one pool
 
 
+def default_threads() -> int | None:
+    """Intra-op threads of a session not told how many: OMP_NUM_THREADS where set (its first level), else None
+    (ONNX Runtime's default, a thread per physical core)."""
+    value = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise V4EngineError(f"OMP_NUM_THREADS must be a positive number of threads (got {value!r:.40})")
+    return int(value)
+
+
 def share_thread_pool(threads: int | None = None) -> None:
     """From now on, every ONNX Runtime session of this process runs on one intra-op pool of `threads` (default:
-    ONNX Runtime's, one per physical core), ours and anyone's; a session asking for its own pool is refused by
-    ONNX Runtime (see the module doc). Later calls change nothing."""
+    default_threads()), ours and anyone's; a session asking for its own pool is refused by ONNX Runtime (see the
+    module doc). Later calls change nothing."""
     global _shared_pool
     if not _shared_pool:
-        ort.set_global_thread_pool_sizes(threads or 0, 1)
+        ort.set_global_thread_pool_sizes(threads or default_threads() or 0, 1)
         _shared_pool = True
 
 
@@ -157,6 +171,7 @@ def session_options(weights: MappedWeights, threads: int | None, alternating: bo
     optimizations, and the weight files' memory maps used in place."""
     options = ort.SessionOptions()
     options.log_severity_level = 3          # errors only: what goes wrong reaches the caller as one line
+    threads = threads or default_threads()
     if _shared_pool:
         options.use_per_session_threads = False
     elif threads:

@@ -64,13 +64,22 @@ class MappedWeights:
 
     maps: dict[str, np.ndarray]
     data_start: dict[str, int]
-    _mmaps: list[mmap.mmap]
+    _mmaps: dict[Path, mmap.mmap]             # by the file's path as the engine names it
 
     def release_pages(self) -> None:
         """Drop the resident pages of the maps (after a backend copied or prepacked what it needs): they are
         clean file pages, read again from the file if a backend still uses them in place."""
-        for m in self._mmaps:
+        for m in self._mmaps.values():
             m.madvise(mmap.MADV_DONTNEED)
+
+    def check_intact(self) -> None:
+        """EngineFormatError if a weight file is now shorter than its map: a page past the file's new end cannot be
+        read, and the kernel would end the process with SIGBUS at the engine's next read of it. (A file cut
+        during a call is beyond any check: docs/security.md.)"""
+        for path, m in self._mmaps.items():
+            if m.size() < len(m):
+                raise EngineFormatError(f"{path}: now {m.size()} bytes, less than the {len(m)} mapped when the "
+                                        "engine opened: truncated under the running engine; open it again")
 
 
 class EngineFolder:
@@ -161,14 +170,14 @@ class EngineFolder:
         if len(weights) > MAX_WEIGHT_FILES:
             raise EngineFormatError(f"{self.manifest_path}: lists {len(weights)} weight files, more than "
                                     f"{MAX_WEIGHT_FILES}; refused")
-        maps, starts, mmaps = {}, {}, []
+        maps, starts, mmaps = {}, {}, {}
         for i, w in enumerate(weights):
             path = self.weight_path(w, f"weights.files[{i}]")
             fd = self._open(path, self.directory / w.file)
             try:
                 starts[w.file] = self._check_weight(fd, w, self.directory / w.file)
-                mmaps.append(mmap.mmap(fd, 0, prot=mmap.PROT_READ))
-                maps[w.file] = np.frombuffer(mmaps[-1], dtype=np.uint8)
+                mmaps[self.directory / w.file] = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+                maps[w.file] = np.frombuffer(mmaps[self.directory / w.file], dtype=np.uint8)
             except OSError as e:
                 raise EngineFormatError(f"{self.directory / w.file}: cannot be mapped ({e.strerror})") from None
             finally:

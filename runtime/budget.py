@@ -1,12 +1,17 @@
 """The cache budget and the pool plan: how many slots and blocks each part's pools get, and where they live.
 
-By default the budget holds the caches of max_batch sequences of max_seq_len tokens, but never more than half of
-the memory the pools live in: the host's, or what each GPU has free beside the weights (an engine.json cannot make
-the runtime promise memory it does not have, and device pools are allocated whole). The budget pays for a slot of
-every part per batch row first, then for as many target blocks as it holds, never more than max_batch sequences
-of max_seq_len can use (nor than a shape-specialized engine's profiles take, which stop there), and at least one
-where there are growing groups. A session of static shapes (MIGraphX's programs) takes pools of its own sizes and
-no other: they must fit the budget given, or half of the memory they live in, and are then the budget.
+The budget bounds all of the cache memory: the pools and the prefix cache's snapshots (rings and drafters' state,
+which live beside the pools). By default it holds the caches of max_batch sequences of max_seq_len tokens and
+their snapshots' share, but never more than half of the memory the pools live in: the host's, or what each GPU
+has free beside the weights (an engine.json cannot make the runtime promise memory it does not have, and device
+pools are allocated whole). The budget pays for a slot of every part per batch row first (a budget that cannot is
+refused), then for the snapshots: an eighth of what the pools get, but two per batch row at least (a wide model's
+rings are large against a small budget: the slice's 3.4 MB snapshot against its 4.3 MB eighth kept one entry and
+never hit), and never more than half of what the slots leave; then for as many target blocks as the rest holds,
+never more than max_batch sequences of max_seq_len can use (nor than a shape-specialized engine's profiles take,
+which stop there), and at least one where there are growing groups. A session of static shapes (MIGraphX's
+programs) takes pools of its own sizes and no other: they must fit the budget given, or half of the memory they
+live in, and are then the budget with the snapshots' share.
 """
 from __future__ import annotations
 
@@ -53,10 +58,11 @@ class Limits:
 
 @dataclass
 class PoolPlan:
-    """The cache pools of every part (the target's, and its drafter's parts), allocated, and the budget they
-    were sized from."""
+    """The cache pools of every part (the target's, and its drafter's parts), allocated; the budget they were
+    sized from, and the share of it the prefix cache's snapshots may hold."""
 
     budget: int
+    snapshots: int
     pools: dict[str, CachePool]
 
 
@@ -66,19 +72,17 @@ def sequence_bytes(layouts: dict[str, CacheLayout], capacity: int) -> int:
 
 
 def plan_pools(layouts: dict[str, CacheLayout], sessions: dict[str, EngineSession], dtype: str, max_batch: int,
-               max_seq_len: int, max_cache_bytes: int | None) -> PoolPlan:
+               max_seq_len: int, max_cache_bytes: int | None, snapshot_bytes: int) -> PoolPlan:
     """Pools for `layouts` (by part: TARGET's first, then the drafter's), each where the session of the same part
-    reads it (a pipeline's stages: each on its own device; a drafter's beside the last stage)."""
+    reads it (a pipeline's stages: each on its own device; a drafter's beside the last stage), and the share of
+    the budget for prefix snapshots of `snapshot_bytes` each (0: no prefix cache)."""
     device_of = {g.pool: sessions[part].pool_device_of(g.pool) for part, layout in layouts.items()
                  for g in layout.groups}
     storages = {device: pool_arrays(dtype, device) for device in dict.fromkeys(device_of.values())}
     storage = {pool: storages[device] for pool, device in device_of.items()}
     cap = max_cache_bytes if max_cache_bytes is not None else \
         _memory_cap(storages, device_of, layouts, max_seq_len)
-    budget = cap if max_cache_bytes is not None else min(max_batch * sequence_bytes(layouts, max_seq_len), cap)
     target = layouts[TARGET]
-    blocks = min(max(1, (budget - max_batch * sequence_bytes(layouts, 0)) // target.block_bytes),
-                 max_batch * target.table_blocks(max_seq_len)) if target.block_bytes else 0
     fixed = {part: sessions[part].pool_shape or {} for part in layouts}
     fixed_bytes = sum(fixed[part].get("pool_slots", 0) * layout.slot_bytes
                       + fixed[part].get("pool_blocks", 0) * layout.block_bytes for part, layout in layouts.items())
@@ -86,10 +90,25 @@ def plan_pools(layouts: dict[str, CacheLayout], sessions: dict[str, EngineSessio
         raise V4EngineError(f"this engine's programs take cache pools of {fixed_bytes / 2**30:.2f} GiB "
                             f"(max_batch x max_seq_len as built), more than the cache budget of "
                             f"{cap / 2**30:.2f} GiB; rebuild it with a smaller --max-batch or --max-seq-len")
+    slots, floor = max_batch * sequence_bytes(layouts, 0), 2 * max_batch * snapshot_bytes
+    if max_cache_bytes is None:
+        full = fixed_bytes or max_batch * sequence_bytes(layouts, max_seq_len)
+        budget = min(full + (max(full // 8, floor) if snapshot_bytes else 0), cap)
+    else:
+        budget = max_cache_bytes
+    least = fixed_bytes or slots + target.block_bytes
+    if budget < least:
+        given = f"max_cache_bytes {budget}" if max_cache_bytes is not None else \
+            f"the cache budget of {budget} bytes (half the memory the pools live in)"
+        raise RequestError(f"{given} is less than the {least} bytes of the slots of max_batch {max_batch} rows and "
+                           "one block; raise it or lower max_batch")
+    snapshots = min(max(budget // 9, floor), (budget - slots) // 2, budget - least) if snapshot_bytes else 0
+    blocks = min(max(1, (budget - snapshots - slots) // target.block_bytes),
+                 max_batch * target.table_blocks(max_seq_len)) if target.block_bytes else 0
     pools = {part: CachePool(layout, fixed[part].get("pool_slots", max_batch),
                              fixed[part].get("pool_blocks", blocks if part == TARGET else 0), storage)
              for part, layout in layouts.items()}
-    return PoolPlan(fixed_bytes or budget, pools)
+    return PoolPlan(fixed_bytes + snapshots if fixed_bytes else budget, snapshots, pools)
 
 
 def _memory_cap(storages: dict[str | None, PoolArrays], device_of: dict[str, str | None],

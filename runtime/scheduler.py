@@ -126,14 +126,12 @@ class Scheduler:
         parts = drafter.parts if drafter is not None else {}
         self.layouts = {TARGET: manifest.caches[TARGET]} | parts
         sessions = {TARGET: target} | {part: drafter.session for part in parts}
-        plan = plan_pools(self.layouts, sessions, manifest.dtype, max_batch, max_seq_len, max_cache_bytes)
-        self.budget, self.pools = plan.budget, plan.pools
-        # Snapshots (rings, and what the drafter needs to rebuild its state at a fork) live beside the pools: an
-        # eighth of the budget, but room for two per batch row at least (a wide model's rings are large against
-        # a small budget: the slice's 3.4 MB snapshot against its 4.3 MB eighth kept one entry and never hit)
+        # A prefix snapshot: the target's rings, and what the drafter needs to rebuild its state at a fork
         snapshot = self.layouts[TARGET].slot_bytes + (drafter.snapshot_bytes() if drafter is not None else 0)
-        self.prefix = PrefixCache(self.pools[TARGET], max(self.budget // 8, 2 * max_batch * snapshot)) \
-            if prefix_cache else None
+        plan = plan_pools(self.layouts, sessions, manifest.dtype, max_batch, max_seq_len, max_cache_bytes,
+                          snapshot if prefix_cache else 0)
+        self.budget, self.pools = plan.budget - plan.snapshots, plan.pools     # what the requests' caches share
+        self.prefix = PrefixCache(self.pools[TARGET], plan.snapshots) if prefix_cache else None
         self.calls = EngineCalls()
         self.planner: VerifyPlanner | None = None     # confidence scheduling, when on: whether to draft, what to verify
         if drafter is not None:
@@ -204,10 +202,11 @@ class Scheduler:
         blocks, pool_blocks = self.blocks_for(capacity), len(self.pools[TARGET].refs)
         if need > self.budget:
             raise CapacityError(f"the request needs {need} bytes of cache for {capacity} tokens, more than the "
-                                f"budget of {self.budget} bytes")
+                                f"{self.budget} bytes the cache budget leaves the requests")
         if blocks > pool_blocks:
             raise CapacityError(f"the request needs {blocks} cache blocks for {capacity} tokens, more than the "
-                                f"{pool_blocks} the pool holds (within the budget of {self.budget} bytes)")
+                                f"{pool_blocks} the pool holds (within the {self.budget} bytes the cache budget "
+                                "leaves the requests)")
         return capacity
 
     def stop_ids(self, params: SamplingParams) -> frozenset[int]:

@@ -1,8 +1,11 @@
 """Attacks through the Generator API and the weights behind it: a request cancelled through another Generator,
-and weights whose logits are not finite. (Options of the wrong type or range: test_attack_tracebacks.py.)"""
+weights whose logits are not finite, a weight file cut under a running Generator, a cache budget that must bound all of the cache's memory. (Options of the
+wrong type or range: test_attack_tracebacks.py.)"""
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -101,3 +104,55 @@ def test_options_that_would_mean_something_else_are_refused_in_one_line(tiny_eng
     with pytest.raises(RequestError, match=says):
         Generator.from_engine_dir(tiny_engine("mixed")[1], **options)
 
+
+
+def test_max_cache_bytes_bounds_the_pools_and_the_prefix_snapshots_together(tiny_engine):
+    """The budget is all of the cache's memory: the snapshots the prefix cache keeps beside the pools come out of
+    it (they once took up to 3.0x the budget besides), and a budget that cannot hold max_batch slots is refused
+    (they were allocated whatever it said: 9.6x)."""
+    engine = tiny_engine("mixed")[1]
+    probe = Generator.from_engine_dir(engine, limits=Limits(max_batch=2)).scheduler
+    budget = 8 * probe.cache_bytes(160)                 # less than two sequences of max_seq_len would take
+    assert budget < 2 * probe.cache_bytes(probe.max_seq_len)
+    generator = Generator.from_engine_dir(engine, limits=Limits(max_batch=2, max_prefill_chunk=32,
+                                                                max_cache_bytes=budget))
+    rng = np.random.default_rng(3)
+    for _ in range(10):                                  # distinct prompts: snapshots until the share is full
+        generator.generate([rng.integers(1, 128, 100).tolist()], SamplingParams(max_new_tokens=2))
+    scheduler = generator.scheduler
+    pools = sum(a.nbytes for pool in scheduler.pools.values() for a in pool.arrays.values())
+    assert 0 < scheduler.prefix.nbytes <= scheduler.prefix.max_bytes
+    assert pools + scheduler.prefix.max_bytes <= budget
+    with pytest.raises(RequestError, match="^max_cache_bytes [0-9]+ is less than the [0-9]+ bytes of the slots of "
+                                           "max_batch 8 rows and one block; raise it or lower max_batch$"):
+        Generator.from_engine_dir(engine, limits=Limits(max_batch=8, max_cache_bytes=8 * probe.cache_bytes(0)))
+
+
+CUT_UNDER_IT = """
+import os, sys
+from v4engine.contract.errors import V4EngineError
+from v4engine.runtime.generator import Generator
+from v4engine.runtime.sampling import SamplingParams
+generator = Generator.from_engine_dir(sys.argv[1])
+params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+generator.generate([[5, 9, 11, 3]], params)
+for shard in sys.argv[2:]:
+    os.truncate(shard, os.path.getsize(shard) // 2)
+try:
+    generator.generate([[5, 9, 11, 3]], params)
+except V4EngineError as e:
+    sys.exit(str(e))
+"""
+
+
+def test_a_weight_file_cut_under_a_running_generator_fails_the_next_request_in_one_line(tiny_checkpoint, tmp_path):
+    """The engine's weights are maps of the checkpoint's files: a page past a cut file's new end would be SIGBUS,
+    which no Python code can catch. The maps are checked before every engine call instead (in a child process:
+    the failure this guards against ends the process)."""
+    checkpoint = Path(shutil.copytree(tiny_checkpoint("mixed", names="hf"), tmp_path / "checkpoint"))
+    build(BuildOptions(checkpoint=checkpoint, output=tmp_path / "engine", mtp=3, progress=False))
+    shards = [str(p) for p in checkpoint.glob("*.safetensors")]
+    result = subprocess.run([sys.executable, "-c", CUT_UNDER_IT, str(tmp_path / "engine"), *shards],
+                            capture_output=True, text=True, timeout=300)
+    assert_one_line(result, "bytes, less than the", "mapped when the engine opened: truncated under the running "
+                    "engine; open it again")

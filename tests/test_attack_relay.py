@@ -32,7 +32,8 @@ from test_triton_server import ENV, metric, server, wait_for  # noqa: F401 - ser
 from v4engine.runtime.generator import Generator
 from v4engine.triton_repo import render
 from v4engine.triton_repo.models.relay import CancelRelay, relay_cancel
-from v4engine.triton_repo.server import SHM, SHM_PREFIX, SHM_PREFIX_ENV, TEMP_PREFIX, TritonServer, group_processes
+from v4engine.triton_repo.server import (LAUNCHER_ENV, SHM, SHM_PREFIX, SHM_PREFIX_ENV, TEMP_PREFIX, TritonServer,
+                                         group_processes)
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.xdist_group("triton-server")
@@ -303,6 +304,46 @@ def test_a_model_process_whose_server_is_gone_removes_its_memory_and_ends_its_gr
         region.unlink(missing_ok=True)
         if alive(stub):
             os.kill(stub, signal.SIGKILL)
+
+
+STUCK = """
+import os, signal, subprocess, sys, time
+os.setpgrp()                                # tritonserver's group of its own, its SIGTERM ignored: stuck
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+stub = subprocess.Popen([sys.executable, "-c", "from v4engine.triton_repo.server import die_with_server; "
+                         "import time; die_with_server(0.1); print('watching', flush=True); time.sleep(600)"],
+                        stdout=subprocess.PIPE, text=True)
+assert stub.stdout.readline() == "watching\\n"
+print(os.getpid(), stub.pid, flush=True)
+time.sleep(600)
+"""
+LAUNCHER = """
+import os, subprocess, sys
+server = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdout=subprocess.PIPE, text=True,
+                          env={**os.environ, sys.argv[2]: f"{os.getpid()} 1"})   # as TritonServer names itself
+print(server.stdout.readline(), end="", flush=True)
+server.wait()
+"""
+
+
+def test_a_server_stuck_in_its_shutdown_is_ended_by_its_stubs_when_its_launcher_is_gone():
+    """tritonserver that does not end after its launcher's death (stuck in its shutdown, say) still has a parent, so
+    its stubs' parent watch sees nothing: the stubs also watch the launcher (LAUNCHER_ENV, set by TritonServer)
+    and end the group once it has been gone for the exit timeout and 10 s more (here 1 s)."""
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, STUCK, LAUNCHER_ENV], stdout=subprocess.PIPE,
+                                text=True, env={**os.environ, SHM_PREFIX_ENV: ""})
+    server = stub = 0
+    try:
+        server, stub = map(int, launcher.stdout.readline().split())
+        assert alive(server) and alive(stub)
+        launcher.kill()
+        launcher.wait()
+        wait_for(lambda: not alive(server) and not alive(stub), what="the stuck server and its stub to end",
+                 timeout=30)
+    finally:
+        for pid in (server, stub):
+            if pid and alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def live_stream(http_url: str) -> http.client.HTTPConnection:

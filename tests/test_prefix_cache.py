@@ -107,10 +107,13 @@ def test_turning_it_off_keeps_no_entries(engine):
 
 
 def test_a_small_budget_still_keeps_two_snapshots_per_batch_row(engine):
-    """An eighth of a small budget may hold less than one snapshot (a wide model's rings): the floor of two per
-    batch row keeps the snapshots of a shared prefix, and a later prompt forks from them."""
-    probe = Generator.from_engine_dir(engine, mtp=3, limits=Limits(max_batch=2))
-    budget = 2 * probe.scheduler.cache_bytes(160)
+    """An eighth of a small budget may hold less than two snapshots per batch row (a wide model's rings): that
+    floor keeps the snapshots of a shared prefix, and a later prompt forks from them. (The snapshots are paid from
+    the budget, at most half of what the slots leave: here the caches of two sequences of 160 tokens and twice
+    the floor.)"""
+    probe = Generator.from_engine_dir(engine, mtp=3, limits=Limits(max_batch=2)).scheduler
+    floor = 2 * 2 * (probe.layouts["target"].slot_bytes + probe.drafter.snapshot_bytes())
+    budget = 2 * probe.cache_bytes(160) + 2 * floor
     gen = Generator.from_engine_dir(engine, mtp=3,
                                     limits=Limits(max_batch=2, max_prefill_chunk=32, max_cache_bytes=budget))
     prefix = tokens(96, seed=11)

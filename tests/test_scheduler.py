@@ -89,7 +89,7 @@ def budget_for(gen: Generator, batch: int, blocks: int) -> int:
 def test_a_request_that_cannot_fit_is_refused_before_anything_runs(engine):
     probe = Generator.from_engine_dir(engine, mtp=3)
     one = budget_for(probe, 2, probe.scheduler.blocks_for(40 + 12 + 4))
-    gen = Generator.from_engine_dir(engine, mtp=3, limits=Limits(max_batch=2, max_cache_bytes=one))
+    gen = Generator.from_engine_dir(engine, mtp=3, prefix_cache=False, limits=Limits(max_batch=2, max_cache_bytes=one))
     cfg = gen.manifest.model
     running = gen.scheduler.submit(prompts(cfg.vocab_size, [40])[0], GREEDY)
     gen.scheduler.step()

@@ -19,7 +19,9 @@ A server leaves nothing running and nothing in /dev/shm once stopped, however it
 - tritonserver gets SIGTERM when the thread that started it dies (PR_SET_PDEATHSIG), even by SIGKILL: start a
   server from a thread that lives as long as it, the main thread in a launcher; a tritonserver that then exits
   with streams still live leaves its stubs behind, and each stub ends itself and the group when it sees its
-  parent gone, removing the server's regions and temporary folder first (`die_with_server`);
+  parent gone, removing the server's regions and temporary folder first (`die_with_server`); a stub does the
+  same when the launcher has been gone for the exit timeout and 10 s more (a tritonserver stuck in its shutdown,
+  which stop() would have killed then);
 - its temporary files, the cancel relay's socket among them (models/relay.py), go to a 0700 folder of its own
   in the system's temporary folder (not under work_dir: a UNIX socket's path must fit in 107 bytes), removed at
   stop (a launcher killed outright leaves it behind, with tritonserver's `.ses` file, the relay's socket gone).
@@ -34,10 +36,11 @@ import ctypes
 import functools
 import json
 import os
+import re
 import secrets
+import select
 import shutil
 import signal
-import re
 import socket
 import stat
 import subprocess
@@ -46,6 +49,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +58,7 @@ from v4engine.contract.errors import V4EngineError
 HOST = "127.0.0.1"
 SHM = Path("/dev/shm")
 SHM_PREFIX_ENV = "V4ENGINE_SHM_PREFIX"  # the stubs learn the server's shared-memory prefix from it
+LAUNCHER_ENV = "V4ENGINE_LAUNCHER"      # "<pid> <seconds>": the launcher, and how long a stub outlives it at most
 TEMP_PREFIX = "v4engine-triton-"        # of a server's own temporary folder (its TMPDIR)
 SHM_PREFIX = re.compile(r"v4engine-triton-[0-9a-f]{16}-")   # a server's shared-memory prefix, as __init__ makes it
 PR_SET_PDEATHSIG = 1                    # <linux/prctl.h>
@@ -78,11 +83,18 @@ def die_with_server(poll: float = 0.5) -> None:
     PR_SET_PDEATHSIG gives tritonserver SIGTERM) exits after its exit timeout without its stubs, which would then
     run for good, reparented, with their shared memory. A thread here watches the parent: when it changes, it
     removes the server's regions in /dev/shm and its private temporary folder, and SIGKILLs the process group
-    (tritonserver's, which its stubs share)."""
+    (tritonserver's, which its stubs share). It does the same once the launcher named in LAUNCHER_ENV has been
+    gone for the seconds named there (tritonserver stuck in its shutdown, waiting on its stubs)."""
     server = os.getppid()
+    launcher_ended, grace = _launcher()
 
     def watch() -> None:
+        launcher_gone = None
         while os.getppid() == server:
+            if launcher_gone is None and launcher_ended():
+                launcher_gone = time.monotonic()
+            if launcher_gone is not None and time.monotonic() - launcher_gone > grace:
+                break
             time.sleep(poll)
         prefix = os.environ.get(SHM_PREFIX_ENV, "")
         if SHM_PREFIX.fullmatch(prefix):                     # only names TritonServer makes, only in /dev/shm
@@ -95,6 +107,20 @@ def die_with_server(poll: float = 0.5) -> None:
         os.killpg(os.getpgrp(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="die-with-server", daemon=True).start()
+
+
+def _launcher() -> tuple[Callable[[], bool], float]:
+    """Whether the launcher LAUNCHER_ENV names has ended (asked of a pidfd, not of a pid another process may take
+    later), and the seconds a stub outlives it at most; a launcher never ended where it names none."""
+    try:
+        pid, seconds = os.environ[LAUNCHER_ENV].split()
+        grace = float(seconds)
+        pidfd = os.pidfd_open(int(pid))
+    except ProcessLookupError:                        # ended before this stub started
+        return (lambda: True), grace
+    except (KeyError, ValueError, OSError):
+        return (lambda: False), 0.0
+    return (lambda: bool(select.select([pidfd], [], [], 0)[0])), grace
 
 
 class ServerError(V4EngineError):
@@ -202,6 +228,7 @@ class TritonServer:
         env["PATH"] = os.pathsep.join(p for p in (str(self.env.python.parent), env.get("PATH")) if p)
         env["TMPDIR"] = str(self.temp_dir)
         env[SHM_PREFIX_ENV] = self.shm_prefix             # die_with_server, in each model process
+        env[LAUNCHER_ENV] = f"{os.getpid()} {self.exit_timeout + 10}"
         return env
 
     def command(self) -> list[str]:

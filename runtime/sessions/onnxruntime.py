@@ -272,6 +272,7 @@ class OnnxRuntimeSession(EngineSession):
             return ort.InferenceSession(model, options, providers=providers)
 
     def run(self, feeds: dict[str, Any]) -> dict[str, Any]:
+        self._weights.check_intact()         # ONNX Runtime reads weights in place: a cut file would be SIGBUS
         bucket = self._captured and self._captured.bucket_for(feeds)
         try:
             if bucket:

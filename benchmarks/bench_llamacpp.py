@@ -9,9 +9,10 @@ bfloat16` (hidden 1024; a sliding, a CSA and an HCA layer; 64 experts top-6), an
   (`--outtype bf16`, llama.cpp's own recipe for V4 before quantizing; the tiny tokenizer is not one llama.cpp
   knows, so the converter is told what it needs of it, see CONVERT: only token ids are fed here);
 - v4engine MTP 0 (the target alone, as llama.cpp decodes), own_process=True as v4generate runs it.
-llama.cpp runs with a batch of one token: 0.3.36's CPU backend aborts (`GGML_ASSERT(*cur_backend_id != -1)` in
-ggml-backend.cpp) when it reserves a graph of more tokens for this checkpoint. Its prompt then goes in a token at
-a time, so its time to first token is no measure of its prefill; a decode step is one token either way.
+llama.cpp runs without its CPU weight repacking (`use_extra_bufts = False`): with it, 0.3.36 computes the grouped
+output projection wo_a (a 3-D Q8_0 weight) wrongly on this checkpoint (layer 0's attention output correlates 0.33
+with the reference, everything before it agrees) and aborts on graphs of more than one token
+(`GGML_ASSERT(*cur_backend_id != -1)`, ggml-backend.cpp). `--repack` measures it anyway, one token at a time.
 Each system runs in a process of its own (resident memory is that process's), the rounds interleaved. llama.cpp
 is fed v4engine's greedy tokens (teacher forcing: the same calls as its own greedy decode), so each position
 compares the two on the same context: the log-probability of v4engine's token under each, and llama.cpp's argmax.
@@ -64,11 +65,22 @@ print(json.dumps({"loaded": loaded, "end": memory(), "runs": runs}))
 LLAMA = MEMORY + """
 import json, sys, time
 import numpy as np
+import llama_cpp.llama_cpp as api
 from llama_cpp import Llama
 gguf, threads, prompts, forced = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), json.loads(sys.argv[4])
+repack = sys.argv[5] == "repack"
 context = max(len(p) + len(t) for p, t in zip(prompts, forced)) + 8
-llm = Llama(model_path=gguf, n_ctx=context, n_batch=1, n_ubatch=1, n_threads=threads, n_threads_batch=threads,
-            verbose=False)
+defaults = api.llama_model_default_params
+
+def model_params():                                 # what Llama() starts from, repacking as asked
+    params = defaults()
+    params.use_extra_bufts = repack
+    return params
+
+api.llama_model_default_params = model_params
+batch = 1 if repack else 512
+llm = Llama(model_path=gguf, n_ctx=context, n_batch=batch, n_ubatch=batch, n_threads=threads,
+            n_threads_batch=threads, verbose=False)
 loaded = memory()
 
 def log_softmax():                                  # of the last position's logits
@@ -156,6 +168,8 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=2, help="threads of each system")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are reported")
+    p.add_argument("--repack", action="store_true",
+                   help="llama.cpp with its CPU weight repacking (wrong on this checkpoint in 0.3.36; batch of one)")
     args = p.parse_args()
     checkpoint = args.work / "slice"
     if not (checkpoint / "config.json").is_file():
@@ -171,7 +185,8 @@ def main() -> None:
     for _ in range(args.rounds):
         ours.append(child(sys.executable, OURS, engine, args.threads, json.dumps(prompts), args.new_tokens))
         forced = [run["tokens"] for run in ours[0]["runs"]]
-        theirs.append(child(python, LLAMA, gguf, args.threads, json.dumps(prompts), json.dumps(forced)))
+        theirs.append(child(python, LLAMA, gguf, args.threads, json.dumps(prompts), json.dumps(forced),
+                            "repack" if args.repack else "plain"))
     report(ours, theirs, args)
 
 
@@ -185,7 +200,8 @@ def report(ours: list[dict], theirs: list[dict], args: argparse.Namespace) -> No
     print(f"\nslice, batch 1, greedy, {args.threads} threads, {args.prompts} prompts of {args.prompt_tokens} random "
           f"tokens, {args.new_tokens} new each; medians of {args.rounds} interleaved rounds\n")
     print("| system | decode tokens/s | time to first token | RSS after load | peak RSS |\n|---|---|---|---|---|")
-    rows = {"v4engine MTP 0 (ONNX Runtime)": ours, "llama.cpp (llama-cpp-python 0.3.36, batch of 1)": theirs}
+    llama = "llama.cpp (llama-cpp-python 0.3.36" + (", repacked weights, batch of 1)" if args.repack else ")")
+    rows = {"v4engine MTP 0 (ONNX Runtime)": ours, llama: theirs}
     rates = {}
     for name, results in rows.items():
         rates[name] = statistics.median(decode_rate(r) for r in results)

@@ -53,6 +53,7 @@ class BackendOptions:
 @dataclass(frozen=True)
 class OnnxRuntimeBuild(BackendOptions):
     cuda_graphs: bool = False        # graphs without control flow; verify and draft cycles recorded on CUDA
+    int8_moe_activations: bool = False  # lossy: QMoE quantizes the routed experts' inputs to int8 (engine.json)
 
 
 @dataclass(frozen=True)

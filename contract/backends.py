@@ -128,18 +128,23 @@ def _check_buckets(fields: JsonFields, profiles: Mapping[str, tuple[Profile, ...
 
 
 # ---------------------------------------------------------------------- ONNX Runtime
+MOE_ACTIVATIONS = ("fp32", "int8")          # what ONNX Runtime's QMoE computes its routed experts' products on
+
+
 @dataclass(frozen=True)
 class OnnxRuntimeCompiled(CompileRecord):
     """ONNX Runtime compiles nothing ahead: the build only loads every graph. Its version, the execution providers
     that loaded them, and, when none could, why (`not_loaded`: a bf16 engine with only the CPU provider here).
     An engine built for CUDA graphs (--cuda-graphs) also has its graphs' calls as profiles, and `cuda_graphs`
-    names those whose calls the CUDA provider records (their buckets: contract/calls.py)."""
+    names those whose calls the CUDA provider records (their buckets: contract/calls.py). `moe_activations`
+    says whether the routed experts run exactly (fp32) or, built --int8-moe-activations, on int8 inputs."""
 
     onnxruntime: str
     providers_checked: tuple[str, ...]
     not_loaded: str | None = None
     profiles: dict[str, tuple[Profile, ...]] | None = None
     cuda_graphs: tuple[str, ...] = ()
+    moe_activations: str = "fp32"     # QMoE's inputs: fp32 (exact), or int8 (--int8-moe-activations: lossy)
 
     @classmethod
     def from_dict(cls, raw: Any, source: str, graphs: Mapping[str, GraphEntry]) -> OnnxRuntimeCompiled:
@@ -149,7 +154,8 @@ class OnnxRuntimeCompiled(CompileRecord):
         if cuda_graphs:
             _check_buckets(record, profiles, graphs)
         return cls(record.get("onnxruntime", str), tuple(record.items("providers_checked", str)),
-                   record.get("not_loaded", str, None), profiles, cuda_graphs)
+                   record.get("not_loaded", str, None), profiles, cuda_graphs,
+                   record.choice("moe_activations", MOE_ACTIVATIONS, "fp32"))
 
 
 # ---------------------------------------------------------------------- TensorRT

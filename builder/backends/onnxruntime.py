@@ -48,10 +48,12 @@ def prepare_graph(model: onnx.ModelProto, name: str) -> tuple[onnx.ModelProto, i
 def compile_engine(engine_dir: Path, manifest: EngineManifest, build: BuildOptions, options: OnnxRuntimeBuild,
                    prepared: dict[str, Any]) -> OnnxRuntimeCompiled:
     """Load every graph on the provider that runs it (the module doc says how)."""
+    moe = "int8" if options.int8_moe_activations else "fp32"
     if manifest.dtype == "bf16":
         if "CUDAExecutionProvider" not in ort.get_available_providers():
             return OnnxRuntimeCompiled(ort.__version__, (), not_loaded="the CPU execution provider has no bfloat16 "
-                                       "kernels; this engine runs on the CUDA execution provider (onnxruntime-gpu)")
+                                       "kernels; this engine runs on the CUDA execution provider (onnxruntime-gpu)",
+                                       moe_activations=moe)
         providers = ("CUDAExecutionProvider",)
     else:
         providers = ("CPUExecutionProvider",)
@@ -59,8 +61,9 @@ def compile_engine(engine_dir: Path, manifest: EngineManifest, build: BuildOptio
         OnnxRuntimeSession(engine_dir, manifest, graph, options=OnnxRuntimeSessionOptions(providers), load_check=True)
     if options.cuda_graphs:         # the calls recorded as CUDA graphs, by the buckets of their profiles
         profiles = engine_profiles(manifest)
-        return OnnxRuntimeCompiled(ort.__version__, providers, profiles=profiles, cuda_graphs=captured_calls(profiles))
-    return OnnxRuntimeCompiled(ort.__version__, providers)
+        return OnnxRuntimeCompiled(ort.__version__, providers, profiles=profiles, cuda_graphs=captured_calls(profiles),
+                                   moe_activations=moe)
+    return OnnxRuntimeCompiled(ort.__version__, providers, moe_activations=moe)
 
 
 # ---------------------------------------------------------------------- the routed experts
@@ -68,7 +71,8 @@ def compile_engine(engine_dir: Path, manifest: EngineManifest, build: BuildOptio
 # - QMoE takes uint8 codes with the implicit zero point 128 and fp32 scales per 32 inputs ([E, out, in] and
 #   [E, out, in/32]): MXFP4's c * 2^(e-127) is exactly (128 + 2c - 128) * 2^(e-128) (builder/weights.py writes
 #   them). It is exact only on its fp32 path (ORT_QMOE_CPU_QNBIT_GEMM=fp32 when a session is made, which
-#   runtime/sessions/onnxruntime.py sets); by default it quantizes activations to int8 (1e-2 off).
+#   runtime/sessions/onnxruntime.py sets); by default it quantizes activations to int8 (1e-2 off), which an engine
+#   built --int8-moe-activations asks for (1.5x the slice's decode speed, lossy).
 # - fc1 holds gate and up rows interleaved (swiglu_fusion=1, the only fusion the CPU kernel takes); swiglu with
 #   alpha 1, beta 0 and swiglu_limit is V4's silu(min(gate, limit)) * clamp(up, -limit, limit).
 # - The experts run are the top k of router_probs (ties to the higher index), so our choice goes in as 1 at the

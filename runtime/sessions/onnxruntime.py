@@ -9,7 +9,9 @@ graph's locations or for none).
 Routed experts stored as MXFP4 run in ONNX Runtime's QMoE as int8 codes, exact only on its fp32 path: the kernel
 reads ORT_QMOE_CPU_QNBIT_GEMM when a session is made, and by default quantizes activations to int8 (1e-2 off).
 So it is set to fp32 when this module is imported, for the whole process (a later session of anyone's reads it too;
-it only makes QMoE exact).
+it only makes QMoE exact), and unset only while a session of an engine built --int8-moe-activations is made
+(engine.json `build.compile.moe_activations`: lossy, 1.5x the slice's decode speed), under a lock our sessions
+share.
 
 Threads. By default each session has its own intra-op pool of OMP_NUM_THREADS threads where that is set (the
 convention torch and the BLAS libraries follow: processes that share cores, like a test run's workers, set it once
@@ -40,8 +42,10 @@ tested without a GPU.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
+import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,6 +70,7 @@ from . import EngineRunError, EngineSession, checked_outputs
 
 QMOE_GEMM = "ORT_QMOE_CPU_QNBIT_GEMM"
 os.environ[QMOE_GEMM] = "fp32"        # for the whole process, from this module's import on (the module doc)
+_qmoe_lock = threading.Lock()
 # Providers whose sessions keep the pools on their GPU, with the IOBinding device their outputs may stay on (None:
 # outputs come to the host; MIGraphX's device names differ between ONNX Runtime builds, and only new rows move)
 DEVICE_PROVIDERS = {"CUDAExecutionProvider": "cuda", "MIGraphXExecutionProvider": None}
@@ -98,6 +103,18 @@ def providers_on(providers: list[Provider], device: int) -> list[Provider]:
 
 
 _shared_pool = False             # share_thread_pool() ran: every session of this process uses one pool
+
+
+@contextlib.contextmanager
+def _moe_activations(compiled: Any):
+    """QMoE's fp32 path while a session is made, unless the engine was built for int8 inputs (the module doc)."""
+    with _qmoe_lock:
+        if getattr(compiled, "moe_activations", "fp32") == "int8":
+            os.environ.pop(QMOE_GEMM, None)
+        try:
+            yield
+        finally:
+            os.environ[QMOE_GEMM] = "fp32"
 
 
 def default_threads() -> int | None:
@@ -215,8 +232,9 @@ class OnnxRuntimeSession(EngineSession):
         weights = folder.map_weights(manifest.weights)
         model = read_graph(folder, entry, weights)          # checked first: its refusals name the field at fault
         try:
-            self._session = self._load(model, session_options(weights, options.threads, alternating, load_check),
-                                       place.providers, folder.directory / entry.file)
+            with _moe_activations(manifest.compiled):
+                self._session = self._load(model, session_options(weights, options.threads, alternating, load_check),
+                                           place.providers, folder.directory / entry.file)
         except Exception as e:      # noqa: BLE001 - ONNX Runtime's errors share no base class below Exception
             raise EngineFormatError(f"{folder.directory / entry.file}: ONNX Runtime cannot load it "
                                     f"({first_line(e)})") from None

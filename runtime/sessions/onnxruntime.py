@@ -47,6 +47,7 @@ import ctypes
 import os
 import threading
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -106,10 +107,11 @@ _shared_pool = False             # share_thread_pool() ran: every session of thi
 
 
 @contextlib.contextmanager
-def _moe_activations(compiled: Any):
-    """QMoE's fp32 path while a session is made, unless the engine was built for int8 inputs (the module doc)."""
+def _moe_activations(compiled: OnnxRuntimeCompiled | None) -> Iterator[None]:
+    """QMoE's fp32 path while a session is made, unless the engine was built for int8 inputs (the module doc; no
+    record yet: the build's own load check)."""
     with _qmoe_lock:
-        if getattr(compiled, "moe_activations", "fp32") == "int8":
+        if compiled is not None and compiled.moe_activations == "int8":
             os.environ.pop(QMOE_GEMM, None)
         try:
             yield

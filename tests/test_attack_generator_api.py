@@ -1,6 +1,6 @@
 """Attacks through the Generator API and the weights behind it: a request cancelled through another Generator,
-weights whose logits are not finite, a weight file cut under a running Generator, a cache budget that must bound all of the cache's memory. (Options of the
-wrong type or range: test_attack_tracebacks.py.)"""
+weights whose logits are not finite, a weight file cut under a running Generator, a cache budget that must bound
+all of the cache's memory. (Options of the wrong type or range: test_attack_tracebacks.py.)"""
 from __future__ import annotations
 
 import shutil

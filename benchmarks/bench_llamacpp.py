@@ -5,7 +5,7 @@ it is: FP8 block weights dequantized to the output type, MXFP4 routed experts re
 MXFP4. Both sides here read the same checkpoint, `v4build make-tiny --config slice --quantize mxfp4 --dtype
 bfloat16` (hidden 1024; a sliding, a CSA and an HCA layer; 64 experts top-6), and run batch 1, greedy, two threads:
 - llama.cpp through llama-cpp-python (its sdist vendors llama.cpp; built here once with -DGGML_NATIVE=ON in a
-  venv of its own under --work: about half an hour on two cores), the GGUF made by the converter it vendors
+  venv of its own under --work: about ten minutes on two cores), the GGUF made by the converter it vendors
   (`--outtype bf16`, llama.cpp's own recipe for V4 before quantizing; the tiny tokenizer is not one llama.cpp
   knows, so the converter is told what it needs of it, see CONVERT: only token ids are fed here);
 - v4engine MTP 0 (the target alone, as llama.cpp decodes), own_process=True as v4generate runs it.
@@ -116,7 +116,7 @@ def llama_python(work: Path) -> Path:
             archive.extractall(sdist, filter="data")
     if subprocess.run([str(python), "-c", "import llama_cpp"], capture_output=True).returncode != 0:
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        print("building llama-cpp-python (llama.cpp, -DGGML_NATIVE=ON): about half an hour on two cores", flush=True)
+        print("building llama-cpp-python (llama.cpp, -DGGML_NATIVE=ON): about ten minutes on two cores", flush=True)
         subprocess.run([str(python), "-m", "pip", "install", "numpy", str(next(sdist.glob("llama_cpp_python-*/")))],
                        check=True, env=os.environ | {"CMAKE_ARGS": "-DGGML_NATIVE=ON -DLLAMA_CURL=OFF",
                                                      "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count())})

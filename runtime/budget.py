@@ -7,7 +7,8 @@ has free beside the weights (an engine.json cannot make the runtime promise memo
 pools are allocated whole). The budget pays for a slot of every part per batch row first (a budget that cannot is
 refused), then for the snapshots: an eighth of what the pools get, but two per batch row at least (a wide model's
 rings are large against a small budget: the slice's 3.4 MB snapshot against its 4.3 MB eighth kept one entry and
-never hit), and never more than half of what the slots leave; then for as many target blocks as the rest holds,
+never hit), and never more than half of what the slots leave (the default budget holds that share beside full
+pools, so nothing is cut there); then for as many target blocks as the rest holds,
 never more than max_batch sequences of max_seq_len can use (nor than a shape-specialized engine's profiles take,
 which stop there), and at least one where there are growing groups. A session of static shapes (MIGraphX's
 programs) takes pools of its own sizes and no other: they must fit the budget given, or half of the memory they
@@ -91,18 +92,17 @@ def plan_pools(layouts: dict[str, CacheLayout], sessions: dict[str, EngineSessio
                             f"(max_batch x max_seq_len as built), more than the cache budget of "
                             f"{cap / 2**30:.2f} GiB; rebuild it with a smaller --max-batch or --max-seq-len")
     slots, floor = max_batch * sequence_bytes(layouts, 0), 2 * max_batch * snapshot_bytes
-    if max_cache_bytes is None:
-        full = fixed_bytes or max_batch * sequence_bytes(layouts, max_seq_len)
-        budget = min(full + (max(full // 8, floor) if snapshot_bytes else 0), cap)
-    else:
-        budget = max_cache_bytes
+    full = fixed_bytes or max_batch * sequence_bytes(layouts, max_seq_len)
+    wanted = max(full // 8, floor) if snapshot_bytes else 0      # the snapshots' share on top of full pools
+    budget = min(full + wanted, cap) if max_cache_bytes is None else max_cache_bytes
     least = fixed_bytes or slots + target.block_bytes
     if budget < least:
         given = f"max_cache_bytes {budget}" if max_cache_bytes is not None else \
             f"the cache budget of {budget} bytes (half the memory the pools live in)"
         raise RequestError(f"{given} is less than the {least} bytes of the slots of max_batch {max_batch} rows and "
                            "one block; raise it or lower max_batch")
-    snapshots = min(max(budget // 9, floor), (budget - slots) // 2, budget - least) if snapshot_bytes else 0
+    snapshots = wanted if budget == full + wanted else \
+        min(max(budget // 9, floor), (budget - slots) // 2, budget - least) if snapshot_bytes else 0
     blocks = min(max(1, (budget - snapshots - slots) // target.block_bytes),
                  max_batch * target.table_blocks(max_seq_len)) if target.block_bytes else 0
     pools = {part: CachePool(layout, fixed[part].get("pool_slots", max_batch),

@@ -195,7 +195,7 @@ def token_logprob(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
 class PenaltyCounts:
     """What a penalized request's penalties read, kept as it generates: how often each token occurs in its output,
     and which tokens its prompt or output hold. A verify then penalizes in O(V), not in the length of its prompt and
-    output (recounting them each verify cost 4.5 ms at 256 output tokens and 11.3 ms at 32K, V = 129,280)."""
+    output (recounting them took 1.5 of a verify's 14.1 ms at 32K prompt and 32K output tokens, V = 129,280)."""
 
     def __init__(self, vocab_size: int, prompt: Sequence[int]):
         self.counts = np.zeros(vocab_size, np.float64)                                         # [V]

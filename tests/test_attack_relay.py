@@ -260,14 +260,17 @@ def shm_regions(prefix: str) -> list[str]:
     return [p.name for p in SHM.iterdir() if p.name.startswith(prefix)]
 
 
+# A stand-in tritonserver: a process group of its own, deaf to SIGTERM (as one stuck in its shutdown), and one
+# model process that watches it (die_with_server). It prints its pid and the model process's.
 WATCHED = """
-import os, subprocess, sys, time
-os.setpgrp()                                # a process group of its own, as tritonserver's
+import os, signal, subprocess, sys, time
+os.setpgrp()
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
 stub = subprocess.Popen([sys.executable, "-c", "from v4engine.triton_repo.server import die_with_server; "
                          "import time; die_with_server(0.1); print('watching', flush=True); time.sleep(600)"],
                         stdout=subprocess.PIPE, text=True)
 assert stub.stdout.readline() == "watching\\n"
-print(stub.pid, flush=True)
+print(os.getpid(), stub.pid, flush=True)
 time.sleep(600)
 """
 
@@ -295,7 +298,7 @@ def test_a_model_process_whose_server_is_gone_removes_its_memory_and_ends_its_gr
     env = {**os.environ, SHM_PREFIX_ENV: prefix, "TMPDIR": str(temp)}
     server = subprocess.Popen([sys.executable, "-c", WATCHED], stdout=subprocess.PIPE, text=True, env=env)
     try:
-        stub = int(server.stdout.readline())
+        _, stub = map(int, server.stdout.readline().split())
         server.kill()                                   # tritonserver gone, without a word to its stubs
         server.wait()
         wait_for(lambda: not alive(stub), what="the model process to end itself", timeout=30)
@@ -306,17 +309,6 @@ def test_a_model_process_whose_server_is_gone_removes_its_memory_and_ends_its_gr
             os.kill(stub, signal.SIGKILL)
 
 
-STUCK = """
-import os, signal, subprocess, sys, time
-os.setpgrp()                                # tritonserver's group of its own, its SIGTERM ignored: stuck
-signal.signal(signal.SIGTERM, signal.SIG_IGN)
-stub = subprocess.Popen([sys.executable, "-c", "from v4engine.triton_repo.server import die_with_server; "
-                         "import time; die_with_server(0.1); print('watching', flush=True); time.sleep(600)"],
-                        stdout=subprocess.PIPE, text=True)
-assert stub.stdout.readline() == "watching\\n"
-print(os.getpid(), stub.pid, flush=True)
-time.sleep(600)
-"""
 LAUNCHER = """
 import os, subprocess, sys
 server = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdout=subprocess.PIPE, text=True,
@@ -330,7 +322,7 @@ def test_a_server_stuck_in_its_shutdown_is_ended_by_its_stubs_when_its_launcher_
     """tritonserver that does not end after its launcher's death (stuck in its shutdown, say) still has a parent, so
     its stubs' parent watch sees nothing: the stubs also watch the launcher (LAUNCHER_ENV, set by TritonServer)
     and end the group once it has been gone for the exit timeout and 10 s more (here 1 s)."""
-    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, STUCK, LAUNCHER_ENV], stdout=subprocess.PIPE,
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, WATCHED, LAUNCHER_ENV], stdout=subprocess.PIPE,
                                 text=True, env={**os.environ, SHM_PREFIX_ENV: ""})
     server = stub = 0
     try:

@@ -110,6 +110,11 @@ def test_a_compile_field_of_the_wrong_type_is_refused_in_one_line_naming_it(engi
         assert f"'build.compile.{field}'" in refused(copy)
 
 
+def test_onnx_runtime_moe_activations_are_fp32_or_int8_and_nothing_else(engines, tmp_path):
+    message = refused(damaged(engines("onnxruntime"), tmp_path, lambda record: record.update(moe_activations="int4")))
+    assert "'build.compile.moe_activations' must be one of ('fp32', 'int8')" in message
+
+
 @pytest.mark.parametrize("name", sorted(n for n, b in BACKENDS.items() if b.shape_specialized))
 def test_a_profile_of_an_input_the_graph_lacks_is_refused(engines, name, tmp_path):
     def plant(record: dict) -> None:

@@ -2,10 +2,7 @@
 the dense routing matrix (zero for experts not chosen), in every realisation."""
 from __future__ import annotations
 
-import json
 import os
-import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,7 +15,7 @@ from v4engine.builder.model import ModelState
 from v4engine.builder.model.v4 import MoE
 from v4engine.builder.tiny import TINY_CONFIGS
 from v4engine.contract.config import V4Config
-from v4engine.contract.engine import EngineFormatError, EngineManifest
+from v4engine.contract.engine import EngineManifest
 from v4engine.plugins.moe import (decode_fp8, decode_mxfp4, fp8_routed_experts, mxfp4_routed_experts, routed_experts,
                                   swiglu)
 from v4engine.runtime import Generator, SamplingParams
@@ -188,7 +185,7 @@ def test_an_mxfp4_engine_generates_what_the_model_does_at_every_draft_length(mxf
 def test_int8_moe_activations_are_opt_in_named_in_engine_json_and_near_the_exact_path(mxfp4_engine, tmp_path):
     """v4build --int8-moe-activations (lossy): ONNX Runtime's QMoE quantizes the experts' inputs to int8, which
     engine.json names; the log-probabilities move a little off the exact path, which every other engine (and every
-    other session of the process) keeps; a value engine.json may not hold is refused in one line."""
+    other session of the process) keeps. (A value engine.json may not hold: tests/test_backends.py.)"""
     checkpoint, exact = mxfp4_engine
     lossy = tmp_path / "int8"
     build(BuildOptions(checkpoint=checkpoint, output=lossy, mtp=3, progress=False,
@@ -202,9 +199,3 @@ def test_int8_moe_activations_are_opt_in_named_in_engine_json_and_near_the_exact
     gaps = [abs(a.logprob - b.logprob) for a, b in zip(want.prompt_logprobs, got.prompt_logprobs)]
     assert 0 < max(gaps) < 0.1, max(gaps)
     assert os.environ[QMOE_GEMM] == "fp32"
-    hostile = Path(shutil.copytree(lossy, tmp_path / "hostile", symlinks=True))
-    manifest = json.loads((hostile / "engine.json").read_text())
-    manifest["build"]["compile"]["moe_activations"] = "int4"
-    (hostile / "engine.json").write_text(json.dumps(manifest))
-    with pytest.raises(EngineFormatError, match="build.compile.moe_activations' must be one of"):
-        EngineManifest.read(hostile)

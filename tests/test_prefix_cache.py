@@ -106,6 +106,19 @@ def test_turning_it_off_keeps_no_entries(engine):
     assert first.token_ids == second.token_ids
 
 
+def test_the_default_budget_holds_the_snapshots_share_beside_full_pools(engine):
+    """Unless a budget is given, the snapshots' share (two per batch row at least) comes on top of pools for
+    max_batch sequences of max_seq_len: none of it is cut to make room, and the pools are those of an engine opened
+    without a prefix cache. (Short sequences of a wide model are where the floor dominates: here 64 tokens.)"""
+    limits = Limits(max_batch=2, max_seq_len=64)
+    cached = Generator.from_engine_dir(engine, mtp=3, limits=limits).scheduler
+    plain = Generator.from_engine_dir(engine, mtp=3, limits=limits, prefix_cache=False).scheduler
+    snapshot = cached.layouts["target"].slot_bytes + cached.drafter.snapshot_bytes()
+    assert cached.prefix.max_bytes >= 2 * 2 * snapshot
+    assert {part: len(pool.refs) for part, pool in cached.pools.items()} == \
+        {part: len(pool.refs) for part, pool in plain.pools.items()}
+
+
 def test_a_small_budget_still_keeps_two_snapshots_per_batch_row(engine):
     """An eighth of a small budget may hold less than two snapshots per batch row (a wide model's rings): that
     floor keeps the snapshots of a shared prefix, and a later prompt forks from them. (The snapshots are paid from

@@ -1,21 +1,27 @@
-"""The slice against llama.cpp on this CPU: decode tokens/s, time to first token, memory, and logit agreement.
+"""The slice against llama.cpp and transformers on this CPU: decode tokens/s, time to first token, memory, and
+agreement with transformers.
 
 llama.cpp runs DeepSeek-V4 (architecture `deepseek4`) through its converter, which takes the release layout as
-it is: FP8 block weights dequantized to the output type, MXFP4 routed experts repacked byte for byte into GGUF's
-MXFP4. Both sides here read the same checkpoint, `v4build make-tiny --config slice --quantize mxfp4 --dtype
+it is: FP8 block weights written as Q8_0 (whatever `--outtype` says), MXFP4 routed experts repacked byte for byte
+into GGUF's MXFP4. All read the same checkpoint, `v4build make-tiny --config slice --quantize mxfp4 --dtype
 bfloat16` (hidden 1024; a sliding, a CSA and an HCA layer; 64 experts top-6), and run batch 1, greedy, two threads:
+- transformers eager (5.23, the oracle), on an fp32 copy of the target dequantized as the engine dequantizes it;
+- v4engine MTP 0 (the target alone, as llama.cpp decodes), own_process=True as v4generate runs it;
 - llama.cpp through llama-cpp-python (its sdist vendors llama.cpp; built here once with -DGGML_NATIVE=ON in a
-  venv of its own under --work: about ten minutes on two cores), the GGUF made by the converter it vendors
-  (`--outtype bf16`, llama.cpp's own recipe for V4 before quantizing; the tiny tokenizer is not one llama.cpp
-  knows, so the converter is told what it needs of it, see CONVERT: only token ids are fed here);
-- v4engine MTP 0 (the target alone, as llama.cpp decodes), own_process=True as v4generate runs it.
+  venv of its own under --work: about ten minutes on two cores), flash attention off (its default), twice:
+  - exact: a GGUF of F32 weights throughout, converted (`--outtype f32`) from the same dequantized fp32 copy in the
+    release's names, so nothing is rounded (llama.cpp's exact path);
+  - its default GGUF: the release layout converted `--outtype bf16` (FP8 as Q8_0, experts MXFP4, the rest bf16);
+  the tiny tokenizer is not one llama.cpp knows, so the converter is told what it needs of it (see CONVERT: only
+  token ids are fed here).
 llama.cpp runs without its CPU weight repacking (`use_extra_bufts = False`): with it, 0.3.36 computes the grouped
 output projection wo_a (a 3-D Q8_0 weight) wrongly on this checkpoint (layer 0's attention output correlates 0.33
 with the reference, everything before it agrees) and aborts on graphs of more than one token
-(`GGML_ASSERT(*cur_backend_id != -1)`, ggml-backend.cpp). `--repack` measures it anyway, one token at a time.
-Each system runs in a process of its own (resident memory is that process's), the rounds interleaved. llama.cpp
-is fed v4engine's greedy tokens (teacher forcing: the same calls as its own greedy decode), so each position
-compares the two on the same context: the log-probability of v4engine's token under each, and llama.cpp's argmax.
+(`GGML_ASSERT(*cur_backend_id != -1)`, ggml-backend.cpp). `--repack` measures its default GGUF that way anyway,
+one token at a time. Each system runs in a process of its own (resident memory is that process's), the rounds
+interleaved. llama.cpp is fed v4engine's greedy tokens (teacher forcing: the same calls as its own greedy decode),
+and transformers computes the same positions in one forward, so each position compares every system on the same
+context: the log-probability of v4engine's token under each against transformers', and each one's argmax.
 
     .venv/bin/python -m benchmarks.bench_llamacpp --work /work/scratch/llama
 """
@@ -32,11 +38,13 @@ from pathlib import Path
 
 from benchmarks import built_engine
 from v4engine.builder.tiny import make_tiny
+from v4engine.testkit import oracle
 
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
 
-# Both children print one JSON line: per prompt the seconds to the first token and of the decode after it, the
-# tokens, the log-probabilities; and the process's resident memory after load and at its peak (MiB).
+# Every child prints one JSON line: per prompt the seconds to the first token and of the decode after it, the
+# tokens (its argmax at each position), the log-probabilities of v4engine's tokens; and the process's resident
+# memory after load and at the end, with its peak (MiB).
 MEMORY = """
 def memory():
     status = dict(line.split(":", 1) for line in open("/proc/self/status"))
@@ -59,6 +67,41 @@ for prompt in prompts:
     first = result.metrics["time_to_first_token"]
     runs.append({"ttft": first, "decode": seconds - first, "tokens": result.token_ids,
                  "logprobs": [t.logprob for t in result.logprobs]})
+print(json.dumps({"loaded": loaded, "end": memory(), "runs": runs}))
+"""
+
+TRANSFORMERS = MEMORY + """
+import json, sys, time
+import torch
+from v4engine.testkit import oracle
+checkpoint, threads, prompts, forced = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), json.loads(sys.argv[4])
+torch.set_num_threads(threads)
+model = oracle.load_transformers(checkpoint)
+loaded = memory()
+
+class FirstToken:                                   # a streamer noting when the first new token arrives
+    def __init__(self):
+        self.puts, self.at = 0, None
+    def put(self, value):
+        self.puts += 1
+        if self.puts == 2:
+            self.at = time.perf_counter()
+    def end(self):
+        pass
+
+with torch.no_grad():
+    model.generate(torch.tensor([prompts[0][:16]]), max_new_tokens=4, do_sample=False)       # warm-up, untimed
+runs = []
+for prompt, tokens in zip(prompts, forced):
+    clock = FirstToken()
+    started = time.perf_counter()
+    with torch.no_grad():
+        model.generate(torch.tensor([prompt]), max_new_tokens=len(tokens), do_sample=False, streamer=clock)
+    seconds = time.perf_counter() - started
+    rows = torch.log_softmax(oracle.transformers_logits(model, torch.tensor([prompt + tokens[:-1]]))[0, len(prompt) - 1:]
+                             .double(), -1)          # untimed: the positions of v4engine's tokens, in one forward
+    runs.append({"ttft": clock.at - started, "decode": seconds - (clock.at - started),
+                 "tokens": rows.argmax(-1).tolist(), "logprobs": rows[range(len(tokens)), tokens].tolist()})
 print(json.dumps({"loaded": loaded, "end": memory(), "runs": runs}))
 """
 
@@ -123,15 +166,18 @@ def llama_python(work: Path) -> Path:
     return python
 
 
-# The converter, told two things about the tiny tokenizer (a word-level vocabulary llama.cpp does not know): its
-# pre-tokenizer is DeepSeek-V3's, and it has one merge (llama.cpp's BPE loader needs the key). Only token ids are
-# fed to llama.cpp here, so neither changes anything measured.
+# The converter, told three things: about the tiny tokenizer (a word-level vocabulary llama.cpp does not know), that
+# its pre-tokenizer is DeepSeek-V3's and that it has one merge (llama.cpp's BPE loader needs the key): only token
+# ids are fed to llama.cpp here, so neither changes anything measured; and, for the exact GGUF, that routed experts
+# stored as plain floats are written as they are (F32, stacked per layer as its MXFP4 ones are): the converter
+# otherwise takes MXFP4 experts only.
 CONVERT = """
 import json, runpy, sys
 from pathlib import Path
+import numpy as np
 root, checkpoint = Path(sys.argv.pop(1)), Path(sys.argv[1])
 sys.path[:0] = [str(root), str(root / "gguf-py")]
-import conversion.base, gguf
+import conversion.base, conversion.deepseek, gguf
 conversion.base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "deepseek-v3"
 words = [w for w in json.loads((checkpoint / "tokenizer.json").read_text())["model"]["vocab"] if w.isalnum()]
 add_to_gguf = gguf.SpecialVocab.add_to_gguf
@@ -139,18 +185,35 @@ def with_a_merge(self, writer, quiet=False):
     self.merges = self.merges or [f"{words[0]} {words[1]}"]
     return add_to_gguf(self, writer, quiet)
 gguf.SpecialVocab.add_to_gguf = with_a_merge
+V4 = conversion.deepseek.DeepseekV4Model
+write_mxfp4 = V4._write_mxfp4_expert_tensor
+def write_experts(self, bid, proj, tensor_key):
+    names = [f"layers.{bid}.ffn.experts.{e}.{proj}.weight" for e in range(self.hparams["n_routed_experts"])]
+    if names[0].replace(".weight", ".scale") in self.model_tensors:
+        return write_mxfp4(self, bid, proj, tensor_key)
+    eager = conversion.base.LazyTorchTensor.to_eager
+    data = np.stack([eager(self.model_tensors[name]()).float().numpy() for name in names])
+    self.gguf_writer.add_tensor(self.format_tensor_name(tensor_key, bid), data)
+    return names
+V4._write_mxfp4_expert_tensor = write_experts
 runpy.run_path(str(root / "convert_hf_to_gguf.py"), run_name="__main__")
 """
 
 
-def converted(checkpoint: Path, work: Path) -> Path:
-    """work/slice-bf16.gguf, made by the converter the sdist vendors (with this process's torch)."""
-    gguf = work / "slice-bf16.gguf"
+def converted(checkpoint: Path, gguf: Path, outtype: str) -> Path:
+    """`gguf`, made from `checkpoint` by the converter the sdist vendors (with this process's torch)."""
     if not gguf.is_file():
-        root = next((work / "sdist").glob("llama_cpp_python-*/vendor/llama.cpp"))
-        subprocess.run([sys.executable, "-c", CONVERT, str(root), str(checkpoint), "--outtype", "bf16",
+        root = next((gguf.parent / "sdist").glob("llama_cpp_python-*/vendor/llama.cpp"))
+        subprocess.run([sys.executable, "-c", CONVERT, str(root), str(checkpoint), "--outtype", outtype,
                         "--outfile", str(gguf)], check=True)
     return gguf
+
+
+def copy(checkpoint: Path, out: Path, names: str) -> Path:
+    """out: the target dequantized to fp32 as the engine dequantizes it (testkit.oracle), made once."""
+    if not (out / "config.json").is_file():
+        oracle.transformers_copy(checkpoint, out, names=names)
+    return out
 
 
 def child(python: Path | str, script: str, *args: object) -> dict:
@@ -176,48 +239,63 @@ def main() -> None:
         make_tiny(checkpoint, config="slice", quantize="mxfp4", dtype="bfloat16")
     engine = built_engine(checkpoint, args.work, mtp=0, name="engine-mtp0")
     python = llama_python(args.work)
-    gguf = converted(checkpoint, args.work)
+    ggufs = {"exact": converted(copy(checkpoint, args.work / "slice-f32", "official"), args.work / "slice-f32.gguf",
+                                "f32"),
+             "default": converted(checkpoint, args.work / "slice-bf16.gguf", "bf16")}
+    hf = copy(checkpoint, args.work / "slice-hf", "hf")
     vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
     import numpy as np
     rng = np.random.default_rng(0)
     prompts = [rng.integers(2, vocab, args.prompt_tokens).tolist() for _ in range(args.prompts)]
-    ours, theirs = [], []
+    results: dict[str, list[dict]] = {name: [] for name in SYSTEMS}
     for _ in range(args.rounds):
-        ours.append(child(sys.executable, OURS, engine, args.threads, json.dumps(prompts), args.new_tokens))
-        forced = [run["tokens"] for run in ours[0]["runs"]]
-        theirs.append(child(python, LLAMA, gguf, args.threads, json.dumps(prompts), json.dumps(forced),
-                            "repack" if args.repack else "plain"))
-    report(ours, theirs, args)
+        results["v4engine"].append(child(sys.executable, OURS, engine, args.threads, json.dumps(prompts),
+                                         args.new_tokens))
+        forced = json.dumps([run["tokens"] for run in results["v4engine"][0]["runs"]])
+        results["transformers"].append(child(sys.executable, TRANSFORMERS, hf, args.threads, json.dumps(prompts),
+                                             forced))
+        for kind, gguf in ggufs.items():
+            results[f"llama.cpp {kind}"].append(child(python, LLAMA, gguf, args.threads, json.dumps(prompts), forced,
+                                                      "repack" if args.repack and kind == "default" else "plain"))
+    report(results, args)
 
 
-def report(ours: list[dict], theirs: list[dict], args: argparse.Namespace) -> None:
+SYSTEMS = {"transformers": "transformers eager (the oracle)", "v4engine": "**v4engine MTP 0** (ONNX Runtime)",
+           "llama.cpp exact": "llama.cpp, F32 weights",
+           "llama.cpp default": "llama.cpp, its default GGUF (FP8 as Q8_0)"}
+
+
+def report(results: dict[str, list[dict]], args: argparse.Namespace) -> None:
     def decode_rate(result: dict) -> float:
         return sum(len(r["tokens"]) - 1 for r in result["runs"]) / sum(r["decode"] for r in result["runs"])
 
     def ttft_ms(result: dict) -> float:
         return 1000 * statistics.mean(r["ttft"] for r in result["runs"])
 
+    def median(name: str, value) -> float:
+        return statistics.median(value(r) for r in results[name])
+
+    oracle_runs = results["transformers"][0]["runs"]
+    ours = [t for run in results["v4engine"][0]["runs"] for t in run["tokens"]]
     print(f"\nslice, batch 1, greedy, {args.threads} threads, {args.prompts} prompts of {args.prompt_tokens} random "
-          f"tokens, {args.new_tokens} new each; medians of {args.rounds} interleaved rounds\n")
-    print("| system | decode tokens/s | time to first token | RSS after load | peak RSS |\n|---|---|---|---|---|")
-    llama = "llama.cpp (llama-cpp-python 0.3.36" + (", repacked weights, batch of 1)" if args.repack else ")")
-    rows = {"v4engine MTP 0 (ONNX Runtime)": ours, llama: theirs}
+          f"tokens, {args.new_tokens} new each; medians of {args.rounds} interleaved rounds; agreement at the "
+          f"{len(ours)} positions of v4engine's greedy tokens, with transformers\n")
+    print("| system | decode tokens/s | time to first token | RSS after load / after the prompts / peak | "
+          "log p of v4engine's token vs transformers, median / max | argmax equal to transformers' |\n"
+          "|---|---|---|---|---|---|")
     rates = {}
-    for name, results in rows.items():
-        rates[name] = statistics.median(decode_rate(r) for r in results)
-        print(f"| {name} | {rates[name]:.1f} | {statistics.median(ttft_ms(r) for r in results):.0f} ms | "
-              f"{statistics.median(r['loaded']['VmRSS'] for r in results):.0f} MiB | "
-              f"{statistics.median(r['end']['VmHWM'] for r in results):.0f} MiB |")
-    mine, other = rates.values()
-    print(f"\nllama.cpp / v4engine decode: {other / mine:.2f}x")
-    ours_lp = [lp for run in ours[0]["runs"] for lp in run["logprobs"]]
-    theirs_lp = [lp for run in theirs[0]["runs"] for lp in run["logprobs"]]
-    gaps = [abs(a - b) for a, b in zip(ours_lp, theirs_lp)]
-    same = sum(a == b for run_a, run_b in zip(ours[0]["runs"], theirs[0]["runs"])
-               for a, b in zip(run_a["tokens"], run_b["tokens"]))
-    total = sum(len(run["tokens"]) for run in ours[0]["runs"])
-    print(f"agreement on v4engine's greedy continuation: llama.cpp's argmax is v4engine's token at {same}/{total} "
-          f"positions; |log p(token)| differs by {statistics.median(gaps):.4f} (median), {max(gaps):.4f} (max)")
+    for name, label in SYSTEMS.items():
+        rates[name] = median(name, decode_rate)
+        memory = " / ".join(f"{median(name, lambda r: r[at][key]):,.0f}" for at, key in
+                            (("loaded", "VmRSS"), ("end", "VmRSS"), ("end", "VmHWM")))
+        runs = results[name][0]["runs"]
+        gaps = [abs(a - b) for run, want in zip(runs, oracle_runs) for a, b in zip(run["logprobs"], want["logprobs"])]
+        argmax = sum(a == b for run, want in zip(runs, oracle_runs) for a, b in zip(run["tokens"], want["tokens"]))
+        agreement = (f"{statistics.median(gaps):.2g} / {max(gaps):.2g} | {argmax} / {len(ours)}"
+                     if name != "transformers" else "the oracle | the oracle")
+        print(f"| {label} | {rates[name]:.1f} | {median(name, ttft_ms):.0f} ms | {memory} MiB | {agreement} |")
+    for other in ("llama.cpp exact", "llama.cpp default", "transformers"):
+        print(f"v4engine / {other} decode: {rates['v4engine'] / rates[other]:.2f}x")
 
 
 if __name__ == "__main__":

@@ -77,6 +77,8 @@ class OnnxRuntimeSessionOptions(BackendOptions):
     threads: int | None = None       # intra-op threads per session (default: OMP_NUM_THREADS, else one per core)
     device_pools: bool | None = None  # pools as torch tensors on the session's device (default: on a GPU provider)
     cuda_graphs: bool | None = None  # replay an engine built --cuda-graphs (default: on the CUDA provider)
+    runtime_widening: bool = True    # on the CPU, widen stored weights before the session is made, a group at a time
+                                     # (False: ONNX Runtime's constant folding, all at once, with a higher load peak)
 
 
 @dataclass(frozen=True)

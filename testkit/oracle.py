@@ -41,9 +41,10 @@ def load_transformers(checkpoint: str | Path):
     return DeepseekV4ForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
 
 
-def transformers_copy(checkpoint: str | Path, out: str | Path) -> Path:
+def transformers_copy(checkpoint: str | Path, out: str | Path, names: str = "hf") -> Path:
     """An fp32 copy of a checkpoint's target in transformers' names, weights dequantized exactly as the engine
-    dequantizes them: the oracle for checkpoints transformers cannot load on the CPU (FP8, official names)."""
+    dequantizes them: the oracle for checkpoints transformers cannot load on the CPU (FP8, official names).
+    names="official": the same in the release's names, with its tokenizer (what llama.cpp's converter reads)."""
     import json
 
     from v4engine.builder.load import load_model
@@ -51,7 +52,9 @@ def transformers_copy(checkpoint: str | Path, out: str | Path) -> Path:
 
     raw = json.loads((Path(checkpoint) / "config.json").read_text())
     raw = {k: v for k, v in raw.items() if k not in ("quantization_config", "expert_dtype")}
-    return save_checkpoint(load_model(checkpoint, mtp=False), raw, out, names="hf", dtype="float32", mtp=False)
+    tokenizer = {"tokenizer.json": Path(checkpoint) / "tokenizer.json"} if names == "official" else None
+    return save_checkpoint(load_model(checkpoint, mtp=False), raw, out, names=names, dtype="float32", mtp=False,
+                           extra_files=tokenizer)
 
 
 @torch.no_grad()

@@ -6,6 +6,11 @@ Runtime's own refusal of external data outside the model folder does not apply t
 engines whose weights are symlinks load like any other (ONNX Runtime takes in-memory weight files for all of a
 graph's locations or for none).
 
+Weights widen at load (FP8 and bf16 to float32, MXFP4 to QMoE's int8 codes): on the CPU the runtime does it
+before the session is made, a group of weights at a time (widening.py), so loading peaks near the resident size;
+ONNX Runtime's constant folding, which did it all at once (3.6x the resident size at peak on the slice), remains
+for a GPU provider and the option runtime_widening=False.
+
 Routed experts stored as MXFP4 run in ONNX Runtime's QMoE as int8 codes, exact only on its fp32 path: the kernel
 reads ORT_QMOE_CPU_QNBIT_GEMM when a session is made, and by default quantizes activations to int8 (1e-2 off).
 So it is set to fp32 when this module is imported, for the whole process (a later session of anyone's reads it too;
@@ -60,7 +65,7 @@ from v4engine.contract.backends import OnnxRuntimeCompiled
 from v4engine.contract.buckets import Bucket
 from v4engine.contract.calls import captured_buckets
 from v4engine.contract.engine import EngineManifest
-from v4engine.contract.engine_folder import ELEMENT_TYPES, EngineFolder, EngineFormatError, MappedWeights, read_graph
+from v4engine.contract.engine_folder import ELEMENT_TYPES, EngineFolder, EngineFormatError, read_graph
 from v4engine.contract.errors import V4EngineError
 from v4engine.contract.untrusted import first_line
 
@@ -68,6 +73,7 @@ from ..pool_arrays import NUMPY_DTYPES, to_numpy
 from ..sampling import RequestError
 from ..static_calls import StaticCalls
 from . import EngineRunError, EngineSession, checked_outputs
+from .widening import WidenedGraph, widen_weights
 
 QMOE_GEMM = "ORT_QMOE_CPU_QNBIT_GEMM"
 os.environ[QMOE_GEMM] = "fp32"        # for the whole process, from this module's import on (the module doc)
@@ -119,6 +125,13 @@ def _moe_activations(compiled: OnnxRuntimeCompiled | None) -> Iterator[None]:
             os.environ[QMOE_GEMM] = "fp32"
 
 
+def _prepacks(compiled: OnnxRuntimeCompiled | None, widened: WidenedGraph) -> bool:
+    """Whether a session's kernels prepack their weights: not those the runtime widened (ONNX Runtime cannot free
+    a lent buffer, so a packed copy would sit beside it: +116 MiB on the slice, for no speed measured), unless
+    the engine was built for QMoE's int8 inputs, a path that exists only on packed weights."""
+    return not widened.buffers or (compiled is not None and compiled.moe_activations == "int8")
+
+
 def default_threads() -> int | None:
     """Intra-op threads of a session not told how many: OMP_NUM_THREADS where set (its first level), else None
     (ONNX Runtime's default, a thread per physical core)."""
@@ -141,9 +154,9 @@ def share_thread_pool(threads: int | None = None) -> None:
 
 
 def release_freed_heap() -> None:
-    """Give the C heap's free memory back to the system (glibc's malloc_trim; nothing elsewhere). ONNX Runtime
-    folds constant subgraphs at load, the int8 experts' widening among them, and glibc keeps the freed
-    intermediates: without this a loaded engine holds about 1.6 times its weights."""
+    """Give the C heap's free memory back to the system (glibc's malloc_trim; nothing elsewhere): widening weights
+    at load (ours or ONNX Runtime's constant folding) frees intermediates that glibc would keep; without this a
+    loaded engine held about 1.6 times its weights."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
@@ -184,10 +197,11 @@ def placement(folder: EngineFolder, manifest: EngineManifest, options: OnnxRunti
     return Placement(providers, gpu, cuda_graphs, cuda_graphs and on_cuda and _records_graph_ids())
 
 
-def session_options(weights: MappedWeights, threads: int | None, alternating: bool, load_check: bool
-                    ) -> ort.SessionOptions:
+def session_options(files: dict[str, np.ndarray], threads: int | None, alternating: bool, load_check: bool,
+                    prepack: bool = True) -> ort.SessionOptions:
     """ONNX Runtime's options for one session: threads (the module doc), the load check's or a run's graph
-    optimizations, and the weight files' memory maps used in place."""
+    optimizations, and the weight files (location -> bytes: memory maps, widened weights) used in place.
+    `prepack`: let kernels keep packed copies of their weights (never for the load check)."""
     options = ort.SessionOptions()
     options.log_severity_level = 3          # errors only: what goes wrong reaches the caller as one line
     threads = threads or default_threads()
@@ -197,15 +211,16 @@ def session_options(weights: MappedWeights, threads: int | None, alternating: bo
         options.intra_op_num_threads = threads
     if alternating and not _shared_pool:
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if load_check or not prepack:
+        options.add_session_config_entry("session.disable_prepacking", "1")
     if load_check:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        options.add_session_config_entry("session.disable_prepacking", "1")
     else:   # fold DequantizeLinear of FP8/FP4 weights once at load instead of dequantizing them every call
         options.add_session_config_entry("session.disable_quant_qdq", "1")
-    if weights.maps:        # used in place, not copied: the maps live as long as the session (self._weights)
+    if files:       # used in place, not copied: they live as long as the session (self._weights, self._widened)
         options.add_session_config_entry("session.use_external_initializer_file_buffers_directly", "1")
-        options.add_external_initializers_from_files_in_memory(
-            list(weights.maps), list(weights.maps.values()), [m.nbytes for m in weights.maps.values()])
+        options.add_external_initializers_from_files_in_memory(list(files), list(files.values()),
+                                                               [f.nbytes for f in files.values()])
     return options
 
 
@@ -222,7 +237,8 @@ class OnnxRuntimeSession(EngineSession):
         provider comes first; True on the CPU provider: torch CPU tensors through the same binding path).
         options.cuda_graphs: run the per-token calls of an engine built with --cuda-graphs as recorded graphs (None:
         when it was, on the CUDA provider; True on the CPU provider: the same static buffers, nothing recorded).
-        `alternating`: this session takes turns with another (target and draft graph). Then, on a pool of its own,
+        options.runtime_widening: on the CPU, the stored weights are widened here before the session is made
+        (widening.py; False: by ONNX Runtime's constant folding, all at once). `alternating`: this session takes turns with another (target and draft graph). Then, on a pool of its own,
         its idle threads must not spin: two spinning pools on the same cores made MTP = 3 slower than no drafting
         (0.73x). options.threads and `alternating` mean nothing once the process shares one pool (own_process).
         `load_check` (the build's): only prove that ONNX Runtime loads and resolves the graph, with every weight left
@@ -235,14 +251,22 @@ class OnnxRuntimeSession(EngineSession):
         model = read_graph(folder, entry, weights)          # checked first: its refusals name the field at fault
         try:
             with _moe_activations(manifest.compiled):
-                self._session = self._load(model, session_options(weights, options.threads, alternating, load_check),
-                                           place.providers, folder.directory / entry.file)
+                widened = WidenedGraph(model)
+                if options.runtime_widening and place.gpu is None and not load_check:
+                    widened = widen_weights(model, weights, lambda files: session_options(
+                        files, options.threads, alternating, load_check), folder.directory / entry.file)
+                files = {**weights.maps, **widened.buffers}
+                self._session = self._load(widened.model, session_options(
+                    files, options.threads, alternating, load_check, _prepacks(manifest.compiled, widened)),
+                    place.providers, folder.directory / entry.file)
+        except EngineFormatError:
+            raise
         except Exception as e:      # noqa: BLE001 - ONNX Runtime's errors share no base class below Exception
             raise EngineFormatError(f"{folder.directory / entry.file}: ONNX Runtime cannot load it "
                                     f"({first_line(e)})") from None
         weights.release_pages()
         release_freed_heap()
-        self._weights = weights
+        self._weights, self._widened = weights, widened.buffers
         self.inputs, self.outputs = entry.inputs, entry.outputs
         self._output_names = [o.name for o in entry.outputs]
         self._graph = folder.directory / entry.file

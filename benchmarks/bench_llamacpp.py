@@ -24,6 +24,10 @@ and transformers computes the same positions in one forward, so each position co
 context: the log-probability of v4engine's token under each against transformers', and each one's argmax.
 
     .venv/bin/python -m benchmarks.bench_llamacpp --work /work/scratch/llama
+    .venv/bin/python -m benchmarks.bench_llamacpp --work /work/scratch/llama --prompt-tokens 4000 --prompts 2 \
+        --rounds 2                                          # at 4K context (the slice's engine holds 4,096)
+    .venv/bin/python -m benchmarks.bench_llamacpp --work /work/scratch/tiny-v4 --checkpoint examples/tiny-v4 \
+        --without-llama                                     # llama.cpp's deepseek4 refuses tiny-v4's ratio 16
 """
 from __future__ import annotations
 
@@ -233,21 +237,28 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are reported")
     p.add_argument("--repack", action="store_true",
                    help="llama.cpp with its CPU weight repacking (wrong on this checkpoint in 0.3.36; batch of one)")
+    p.add_argument("--checkpoint", type=Path,
+                   help="another checkpoint than the slice (which is made in --work), e.g. examples/tiny-v4")
+    p.add_argument("--without-llama", action="store_true",
+                   help="transformers and v4engine only: for checkpoints llama.cpp does not load (its deepseek4 "
+                        "takes compress ratios 0, 4 and 128 only; tiny-v4 compresses by 16)")
     args = p.parse_args()
-    checkpoint = args.work / "slice"
+    checkpoint = args.checkpoint or args.work / "slice"
     if not (checkpoint / "config.json").is_file():
         make_tiny(checkpoint, config="slice", quantize="mxfp4", dtype="bfloat16")
     engine = built_engine(checkpoint, args.work, mtp=0, name="engine-mtp0")
-    python = llama_python(args.work)
-    ggufs = {"exact": converted(copy(checkpoint, args.work / "slice-f32", "official"), args.work / "slice-f32.gguf",
-                                "f32"),
-             "default": converted(checkpoint, args.work / "slice-bf16.gguf", "bf16")}
-    hf = copy(checkpoint, args.work / "slice-hf", "hf")
+    ggufs = {}
+    if not args.without_llama:
+        python = llama_python(args.work)
+        exact = copy(checkpoint, args.work / f"{checkpoint.name}-f32", "official")
+        ggufs = {"exact": converted(exact, args.work / f"{checkpoint.name}-f32.gguf", "f32"),
+                 "default": converted(checkpoint, args.work / f"{checkpoint.name}-bf16.gguf", "bf16")}
+    hf = copy(checkpoint, args.work / f"{checkpoint.name}-hf", "hf")
     vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
     import numpy as np
     rng = np.random.default_rng(0)
     prompts = [rng.integers(2, vocab, args.prompt_tokens).tolist() for _ in range(args.prompts)]
-    results: dict[str, list[dict]] = {name: [] for name in SYSTEMS}
+    results: dict[str, list[dict]] = {name: [] for name in SYSTEMS if ggufs or "llama" not in name}
     for _ in range(args.rounds):
         results["v4engine"].append(child(sys.executable, OURS, engine, args.threads, json.dumps(prompts),
                                          args.new_tokens))
@@ -257,7 +268,7 @@ def main() -> None:
         for kind, gguf in ggufs.items():
             results[f"llama.cpp {kind}"].append(child(python, LLAMA, gguf, args.threads, json.dumps(prompts), forced,
                                                       "repack" if args.repack and kind == "default" else "plain"))
-    report(results, args)
+    report(results, checkpoint.name, args)
 
 
 SYSTEMS = {"transformers": "transformers eager (the oracle)", "v4engine": "**v4engine MTP 0** (ONNX Runtime)",
@@ -265,7 +276,7 @@ SYSTEMS = {"transformers": "transformers eager (the oracle)", "v4engine": "**v4e
            "llama.cpp default": "llama.cpp, its default GGUF (FP8 as Q8_0)"}
 
 
-def report(results: dict[str, list[dict]], args: argparse.Namespace) -> None:
+def report(results: dict[str, list[dict]], checkpoint: str, args: argparse.Namespace) -> None:
     def decode_rate(result: dict) -> float:
         return sum(len(r["tokens"]) - 1 for r in result["runs"]) / sum(r["decode"] for r in result["runs"])
 
@@ -277,14 +288,15 @@ def report(results: dict[str, list[dict]], args: argparse.Namespace) -> None:
 
     oracle_runs = results["transformers"][0]["runs"]
     ours = [t for run in results["v4engine"][0]["runs"] for t in run["tokens"]]
-    print(f"\nslice, batch 1, greedy, {args.threads} threads, {args.prompts} prompts of {args.prompt_tokens} random "
+    print(f"\n{checkpoint}, batch 1, greedy, {args.threads} threads, {args.prompts} prompts of {args.prompt_tokens} random "
           f"tokens, {args.new_tokens} new each; medians of {args.rounds} interleaved rounds; agreement at the "
           f"{len(ours)} positions of v4engine's greedy tokens, with transformers\n")
     print("| system | decode tokens/s | time to first token | RSS after load / after the prompts / peak | "
           "log p of v4engine's token vs transformers, median / max | argmax equal to transformers' |\n"
           "|---|---|---|---|---|---|")
     rates = {}
-    for name, label in SYSTEMS.items():
+    for name in results:
+        label = SYSTEMS[name]
         rates[name] = median(name, decode_rate)
         memory = " / ".join(f"{median(name, lambda r: r[at][key]):,.0f}" for at, key in
                             (("loaded", "VmRSS"), ("end", "VmRSS"), ("end", "VmHWM")))
@@ -294,7 +306,7 @@ def report(results: dict[str, list[dict]], args: argparse.Namespace) -> None:
         agreement = (f"{statistics.median(gaps):.2g} / {max(gaps):.2g} | {argmax} / {len(ours)}"
                      if name != "transformers" else "the oracle | the oracle")
         print(f"| {label} | {rates[name]:.1f} | {median(name, ttft_ms):.0f} ms | {memory} MiB | {agreement} |")
-    for other in ("llama.cpp exact", "llama.cpp default", "transformers"):
+    for other in [name for name in results if name != "v4engine"]:
         print(f"v4engine / {other} decode: {rates['v4engine'] / rates[other]:.2f}x")
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import reprlib
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -151,8 +151,9 @@ class Generator:
         "prompt_lookup" on any engine). mtp: draft tokens per step, from 0 (no drafting) to what the drafter makes
         on this engine (the engine's k for its own draft graph); default the engine's k (prompt lookup on an
         engine without a draft graph: 3). limits: max_batch, max_seq_len and max_prefill_chunk (prompt tokens per
-        engine call), by default the engine's (a TensorRT or MIGraphX engine was built for shapes up to those, so
-        larger ones are refused here rather than in the middle of a generation), and max_cache_bytes (all of the
+        engine call), by default the engine's (a prefill chunk at most 256 tokens on ONNX Runtime's CPU provider,
+        which runs it faster than 512 in half the memory; a TensorRT or MIGraphX engine was built for shapes up to
+        those, so larger ones are refused here rather than in the middle of a generation), and max_cache_bytes (all of the
         cache's memory, the pools and the prefix snapshots; default: runtime/budget.py). prefix_cache: a prompt
         that starts like an earlier one reuses that prefix's caches (runtime/prefix_cache.py); the tokens are those
         of a cold run either way. devices: the GPU of each of the engine's pipeline stages (v4build
@@ -182,7 +183,11 @@ class Generator:
         manifest = EngineManifest.read(path)
         backend = BACKENDS[manifest.backend]
         options = backend.session_options.read(backend_options, manifest.backend, RequestError)
-        limits = (limits or Limits()).resolved(manifest, str(path))
+        asked = limits or Limits()
+        limits = asked.resolved(manifest, str(path))
+        preferred = backend.session_class().prefill_chunk(options, devices)
+        if asked.max_prefill_chunk is None and preferred:
+            limits = replace(limits, max_prefill_chunk=min(preferred, limits.max_prefill_chunk))
         method, mtp = drafter_tokens(manifest, drafter, mtp, limits.max_prefill_chunk, str(path))
         if devices is not None:
             devices = check_devices(devices, len(manifest.stages), str(path), RequestError)

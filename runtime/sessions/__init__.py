@@ -39,6 +39,12 @@ class EngineSession(ABC):
         """Take process-wide resources for speed: asked once by a program that owns its process (v4generate, the
         demo, the benchmarks), never by the library on its own. Nothing by default."""
 
+    @classmethod
+    def prefill_chunk(cls, options: BackendOptions, devices: object) -> int | None:
+        """The prompt tokens per call this backend runs best with where the engine allows more and the caller
+        named none (Limits.max_prefill_chunk), on these options and `devices`; None: the engine's limit."""
+        return None
+
     @abstractmethod
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run the graph on `feeds` (every input by name) and return every output by name."""

@@ -151,17 +151,22 @@ def RowsVisible(q_pos: INT64, row_ids: INT64, ratio: int) -> BOOL:
 
 
 @script(V4, default_opset=op)
-def AttendWithSink(q: FLOAT, keys: FLOAT, visible: BOOL, sink: FLOAT, scale: float) -> FLOAT:
-    qf = op.Cast(q, to=FLOAT.dtype)                                # fp32 whatever the activation dtype
-    kf = op.Cast(keys, to=FLOAT.dtype)
-    logits = op.MatMul(qf, op.Transpose(kf, perm=[0, 1, 3, 2])) * op.CastLike(scale, qf)
-    logits = op.Where(op.Unsqueeze(visible, [2]), logits, op.CastLike(NEG_INF, qf))
+def SinkSoftmax(logits: FLOAT, visible: BOOL, sink: FLOAT) -> FLOAT:
+    """softmax over [logits (visible keys only), sink] per query and head, sink column dropped: [B,S,H,T]."""
+    logits = op.Where(op.Unsqueeze(visible, [2]), logits, op.CastLike(NEG_INF, logits))
     sinks = op.Expand(op.Reshape(op.Cast(sink, to=FLOAT.dtype), [1, 1, -1, 1]),
                       op.Concat(op.Slice(op.Shape(logits), [0], [3]), [1], axis=0))
     combined = op.Concat(logits, sinks, axis=-1)
     combined = combined - op.ReduceMax(combined, [-1], keepdims=1)
-    probs = op.Slice(op.Softmax(combined, axis=-1), [0], [-1], [-1])
-    return op.CastLike(op.MatMul(probs, kf), q)
+    return op.Slice(op.Softmax(combined, axis=-1), [0], [-1], [-1])
+
+
+@script(V4, default_opset=op)
+def AttendWithSink(q: FLOAT, keys: FLOAT, visible: BOOL, sink: FLOAT, scale: float) -> FLOAT:
+    qf = op.Cast(q, to=FLOAT.dtype)                                # fp32 whatever the activation dtype
+    kf = op.Cast(keys, to=FLOAT.dtype)
+    logits = op.MatMul(qf, op.Transpose(kf, perm=[0, 1, 3, 2])) * op.CastLike(scale, qf)
+    return op.CastLike(op.MatMul(SinkSoftmax(logits, visible, sink), kf), q)
 
 
 @script(V4, default_opset=op)
@@ -183,15 +188,27 @@ def HcaAttention(q: FLOAT, q_pos: INT64, kv: FLOAT, kv_pos: INT64, rows: FLOAT, 
 @script(V4, default_opset=op)
 def CsaAttention(q: FLOAT, q_pos: INT64, kv: FLOAT, kv_pos: INT64, rows: FLOAT, topk_idx: INT64, sink: FLOAT,
                  window: int, scale: float) -> FLOAT:
+    """The window's keys are every query's of a row: they are multiplied as one [S*H, d] x [d, T] product, never
+    copied per query (a [B,S,T,d] copy was 0.8 MB a query, most of a prefill chunk's memory on the slice); the
+    chosen rows are per query. One softmax over both."""
     picked = op.GreaterOrEqual(topk_idx, op.CastLike(0, topk_idx))
     index = op.Unsqueeze(op.Max(topk_idx, op.CastLike(0, topk_idx)), [-1])
-    chosen = op.GatherND(rows, index, batch_dims=1)                                  # [B,S,k,d]
-    per_query = op.Shape(topk_idx, start=0, end=2)
-    window_keys = op.Expand(op.Unsqueeze(kv, [1]),
-                            op.Concat(per_query, op.Shape(kv, start=1, end=3), axis=0))   # [B,S,T,d]
-    keys = op.Concat(window_keys, chosen, axis=2)
+    chosen = op.Cast(op.GatherND(rows, index, batch_dims=1), to=FLOAT.dtype)       # [B,S,k,d]
+    qf = op.Cast(q, to=FLOAT.dtype)                                                  # [B,S,H,d]
+    kf = op.Cast(kv, to=FLOAT.dtype)                                                 # [B,T,d]
+    heads = op.Reshape(qf, op.Concat(op.Shape(q, start=0, end=1), [-1], op.Shape(q, start=3, end=4), axis=0))
+    window_logits = op.Reshape(op.MatMul(heads, op.Transpose(kf, perm=[0, 2, 1])),   # [B,S*H,T]
+                               op.Concat(op.Shape(q, start=0, end=3), [-1], axis=0))  # [B,S,H,T]
+    chosen_logits = op.MatMul(qf, op.Transpose(chosen, perm=[0, 1, 3, 2]))          # [B,S,H,k]
+    logits = op.Concat(window_logits, chosen_logits, axis=-1) * op.CastLike(scale, qf)
     visible = op.Concat(WindowVisible(q_pos, kv_pos, window=window), picked, axis=-1)
-    return AttendWithSink(q, keys, visible, sink, scale=scale)
+    probs = SinkSoftmax(logits, visible, sink)                                       # [B,S,H,T+k]
+    T = op.Shape(kv, start=1, end=2)
+    window_probs = op.Reshape(op.Slice(probs, [0], T, [-1]), op.Concat(op.Shape(heads, start=0, end=2), [-1],
+                                                                         axis=0))   # [B,S*H,T]
+    chosen_probs = op.Slice(probs, T, [9223372036854775807], [-1])                   # [B,S,H,k]
+    out = op.Reshape(op.MatMul(window_probs, kf), op.Shape(q)) + op.MatMul(chosen_probs, chosen)
+    return op.CastLike(out, q)
 
 
 @script(V4, default_opset=op)
@@ -209,4 +226,4 @@ def CsaAttentionPaged(q: FLOAT, q_pos: INT64, kv: FLOAT, kv_pos: INT64, pool: FL
 
 
 PLUGIN_FUNCTIONS = (SlidingAttention, HcaAttention, CsaAttention, HcaAttentionPaged, CsaAttentionPaged)
-HELPER_FUNCTIONS = (WindowVisible, RowsVisible, AttendWithSink)
+HELPER_FUNCTIONS = (WindowVisible, RowsVisible, SinkSoftmax, AttendWithSink)

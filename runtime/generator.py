@@ -152,7 +152,7 @@ class Generator:
         on this engine (the engine's k for its own draft graph); default the engine's k (prompt lookup on an
         engine without a draft graph: 3). limits: max_batch, max_seq_len and max_prefill_chunk (prompt tokens per
         engine call), by default the engine's (a prefill chunk at most 256 tokens on ONNX Runtime's CPU provider,
-        which runs it faster than 512 in half the memory; a TensorRT or MIGraphX engine was built for shapes up to
+        where a larger one keeps more memory for no speed; a TensorRT or MIGraphX engine was built for shapes up to
         those, so larger ones are refused here rather than in the middle of a generation), and max_cache_bytes (all of the
         cache's memory, the pools and the prefix snapshots; default: runtime/budget.py). prefix_cache: a prompt
         that starts like an earlier one reuses that prefix's caches (runtime/prefix_cache.py); the tokens are those

@@ -220,9 +220,9 @@ def test_each_request_drafts_its_own_number_of_tokens_in_one_batch(engine):
 
 
 def test_prompts_run_in_chunks_of_at_most_256_tokens_on_the_cpu_unless_asked_otherwise(engine):
-    """ONNX Runtime on the CPU runs a 256-token prefill chunk faster than a 512-token one, and its arena keeps half
-    the memory after it (RESULTS.md): that is the default there, within the engine's limit; a chunk the caller
-    names is kept, and other devices get the engine's."""
+    """ONNX Runtime's arena on the CPU keeps what a 512-token prefill chunk needed, for as good as no speed over
+    256 (RESULTS.md): 256 is the default there, within the engine's limit; a chunk the caller names is kept, and
+    other devices get the engine's."""
     assert Generator.from_engine_dir(engine).manifest.limits["max_prefill_chunk"] == 512
     assert Generator.from_engine_dir(engine).scheduler.max_prefill_chunk == 256
     assert Generator.from_engine_dir(engine, limits=Limits(max_prefill_chunk=512)).scheduler.max_prefill_chunk == 512

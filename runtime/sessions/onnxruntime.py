@@ -6,10 +6,10 @@ Runtime's own refusal of external data outside the model folder does not apply t
 engines whose weights are symlinks load like any other (ONNX Runtime takes in-memory weight files for all of a
 graph's locations or for none).
 
-Weights widen at load (FP8 and bf16 to float32, MXFP4 to QMoE's int8 codes): on the CPU the runtime does it
-before the session is made, a group of weights at a time (widening.py), so loading peaks near the resident size;
-ONNX Runtime's constant folding, which did it all at once (3.6x the resident size at peak on the slice), remains
-for a GPU provider and the option runtime_widening=False.
+Weights widen at load (FP8 and bf16 to float32, MXFP4 to QMoE's int8 codes): on the CPU the runtime does it for
+the routed experts before the session is made, a group of weights at a time (widening.py), so loading peaks near
+the resident size; ONNX Runtime's constant folding, which did it all at once (3.6x the resident size at peak on the
+slice), keeps the weights its GEMMs pack, and does everything for a GPU provider and with runtime_widening=False.
 
 Routed experts stored as MXFP4 run in ONNX Runtime's QMoE as int8 codes, exact only on its fp32 path: the kernel
 reads ORT_QMOE_CPU_QNBIT_GEMM when a session is made, and by default quantizes activations to int8 (1e-2 off).
@@ -126,13 +126,6 @@ def _moe_activations(compiled: OnnxRuntimeCompiled | None) -> Iterator[None]:
             os.environ[QMOE_GEMM] = "fp32"
 
 
-def _prepacks(compiled: OnnxRuntimeCompiled | None, widened: WidenedGraph) -> bool:
-    """Whether a session's kernels prepack their weights: not those the runtime widened (ONNX Runtime cannot free
-    a lent buffer, so a packed copy would sit beside it: +116 MiB on the slice, for no speed measured), unless
-    the engine was built for QMoE's int8 inputs, a path that exists only on packed weights."""
-    return not widened.buffers or (compiled is not None and compiled.moe_activations == "int8")
-
-
 def default_threads() -> int | None:
     """Intra-op threads of a session not told how many: OMP_NUM_THREADS where set (its first level), else None
     (ONNX Runtime's default, a thread per physical core)."""
@@ -198,11 +191,10 @@ def placement(folder: EngineFolder, manifest: EngineManifest, options: OnnxRunti
     return Placement(providers, gpu, cuda_graphs, cuda_graphs and on_cuda and _records_graph_ids())
 
 
-def session_options(files: dict[str, np.ndarray], threads: int | None, alternating: bool, load_check: bool,
-                    prepack: bool = True) -> ort.SessionOptions:
+def session_options(files: dict[str, np.ndarray], threads: int | None, alternating: bool, load_check: bool
+                    ) -> ort.SessionOptions:
     """ONNX Runtime's options for one session: threads (the module doc), the load check's or a run's graph
-    optimizations, and the weight files (location -> bytes: memory maps, widened weights) used in place.
-    `prepack`: let kernels keep packed copies of their weights (never for the load check)."""
+    optimizations, and the weight files (location -> bytes: memory maps, widened weights) used in place."""
     options = ort.SessionOptions()
     options.log_severity_level = 3          # errors only: what goes wrong reaches the caller as one line
     threads = threads or default_threads()
@@ -212,10 +204,9 @@ def session_options(files: dict[str, np.ndarray], threads: int | None, alternati
         options.intra_op_num_threads = threads
     if alternating and not _shared_pool:
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    if load_check or not prepack:
-        options.add_session_config_entry("session.disable_prepacking", "1")
     if load_check:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        options.add_session_config_entry("session.disable_prepacking", "1")
     else:   # fold DequantizeLinear of FP8/FP4 weights once at load instead of dequantizing them every call
         options.add_session_config_entry("session.disable_quant_qdq", "1")
     if files:       # used in place, not copied: they live as long as the session (self._weights, self._widened)
@@ -265,9 +256,9 @@ class OnnxRuntimeSession(EngineSession):
                     widened = widen_weights(model, weights, lambda files: session_options(
                         files, options.threads, alternating, load_check), folder.directory / entry.file)
                 files = {**weights.maps, **widened.buffers}
-                self._session = self._load(widened.model, session_options(
-                    files, options.threads, alternating, load_check, _prepacks(manifest.compiled, widened)),
-                    place.providers, folder.directory / entry.file)
+                self._session = self._load(widened.model, session_options(files, options.threads, alternating,
+                                                                          load_check),
+                                           place.providers, folder.directory / entry.file)
         except EngineFormatError:
             raise
         except Exception as e:      # noqa: BLE001 - ONNX Runtime's errors share no base class below Exception

@@ -49,7 +49,8 @@ class WidenedGraph:
 
 def widen_weights(model_bytes: bytes, weights: MappedWeights, session_options: Callable[[dict], ort.SessionOptions],
                   graph_path: object = "graph") -> WidenedGraph:
-    """`model_bytes` with every constant subgraph that reads a weight file evaluated here (the module doc).
+    """`model_bytes` with every constant subgraph that reads a weight file, but those only MatMul or Gemm read,
+    evaluated here (the module doc).
     `session_options(files)`: the options of a session reading the in-memory weight files `files`. A graph whose
     widened weights would take more than WIDEST times what they read is refused (EngineFormatError naming the
     tensor)."""

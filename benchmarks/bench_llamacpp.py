@@ -102,8 +102,8 @@ for prompt, tokens in zip(prompts, forced):
     with torch.no_grad():
         model.generate(torch.tensor([prompt]), max_new_tokens=len(tokens), do_sample=False, streamer=clock)
     seconds = time.perf_counter() - started
-    rows = torch.log_softmax(oracle.transformers_logits(model, torch.tensor([prompt + tokens[:-1]]))[0, len(prompt) - 1:]
-                             .double(), -1)          # untimed: the positions of v4engine's tokens, in one forward
+    logits = oracle.transformers_logits(model, torch.tensor([prompt + tokens[:-1]]))[0, len(prompt) - 1:]
+    rows = torch.log_softmax(logits.double(), -1)   # untimed: the positions of v4engine's tokens, in one forward
     runs.append({"ttft": clock.at - started, "decode": seconds - (clock.at - started),
                  "tokens": rows.argmax(-1).tolist(), "logprobs": rows[range(len(tokens)), tokens].tolist()})
 print(json.dumps({"loaded": loaded, "end": memory(), "runs": runs}))
@@ -288,9 +288,9 @@ def report(results: dict[str, list[dict]], checkpoint: str, args: argparse.Names
 
     oracle_runs = results["transformers"][0]["runs"]
     ours = [t for run in results["v4engine"][0]["runs"] for t in run["tokens"]]
-    print(f"\n{checkpoint}, batch 1, greedy, {args.threads} threads, {args.prompts} prompts of {args.prompt_tokens} random "
-          f"tokens, {args.new_tokens} new each; medians of {args.rounds} interleaved rounds; agreement at the "
-          f"{len(ours)} positions of v4engine's greedy tokens, with transformers\n")
+    print(f"\n{checkpoint}, batch 1, greedy, {args.threads} threads, {args.prompts} prompts of "
+          f"{args.prompt_tokens} random tokens, {args.new_tokens} new each; medians of {args.rounds} interleaved "
+          f"rounds; agreement at the {len(ours)} positions of v4engine's greedy tokens, with transformers\n")
     print("| system | decode tokens/s | time to first token | RSS after load / after the prompts / peak | "
           "log p of v4engine's token vs transformers, median / max | argmax equal to transformers' |\n"
           "|---|---|---|---|---|---|")

@@ -153,10 +153,10 @@ class Generator:
         engine without a draft graph: 3). limits: max_batch, max_seq_len and max_prefill_chunk (prompt tokens per
         engine call), by default the engine's (a prefill chunk at most 256 tokens on ONNX Runtime's CPU provider,
         where a larger one keeps more memory for no speed; a TensorRT or MIGraphX engine was built for shapes up to
-        those, so larger ones are refused here rather than in the middle of a generation), and max_cache_bytes (all of the
-        cache's memory, the pools and the prefix snapshots; default: runtime/budget.py). prefix_cache: a prompt
-        that starts like an earlier one reuses that prefix's caches (runtime/prefix_cache.py); the tokens are those
-        of a cold run either way. devices: the GPU of each of the engine's pipeline stages (v4build
+        those, so larger ones are refused here rather than in the middle of a generation), and max_cache_bytes
+        (all of the cache's memory, the pools and the prefix snapshots; default: runtime/budget.py). prefix_cache:
+        a prompt that starts like an earlier one reuses that prefix's caches (runtime/prefix_cache.py); the tokens
+        are those of a cold run either way. devices: the GPU of each of the engine's pipeline stages (v4build
         --pipeline-stages; one per stage, the draft beside the last; default:
         every stage where the backend runs by default). microbatches: a call's rows cut into this many slices in
         flight on different stages at once (default: one per stage when each stage has a GPU of its own; 1:

@@ -237,9 +237,10 @@ class OnnxRuntimeSession(EngineSession):
         provider comes first; True on the CPU provider: torch CPU tensors through the same binding path).
         options.cuda_graphs: run the per-token calls of an engine built with --cuda-graphs as recorded graphs (None:
         when it was, on the CUDA provider; True on the CPU provider: the same static buffers, nothing recorded).
-        options.runtime_widening: on the CPU, the stored weights are widened here before the session is made
-        (widening.py; False: by ONNX Runtime's constant folding, all at once). `alternating`: this session takes turns with another (target and draft graph). Then, on a pool of its own,
-        its idle threads must not spin: two spinning pools on the same cores made MTP = 3 slower than no drafting
+        options.runtime_widening: on the CPU, the routed experts' stored weights are widened here before the
+        session is made (widening.py; False: all by ONNX Runtime's constant folding, at once). `alternating`: this
+        session takes turns with another (target and draft graph). Then, on a pool of its own, its idle threads
+        must not spin: two spinning pools on the same cores made MTP = 3 slower than no drafting
         (0.73x). options.threads and `alternating` mean nothing once the process shares one pool (own_process).
         `load_check` (the build's): only prove that ONNX Runtime loads and resolves the graph, with every weight left
         in its memory-mapped file (no graph optimization, no prepacking): memory stays flat in the model size."""

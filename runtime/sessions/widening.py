@@ -103,18 +103,16 @@ def _frontier(graph, producer: dict[str, NodeProto]) -> list[str]:
 
 
 def _cone(name: str, producer: dict[str, NodeProto], stop: set[str] = frozenset()) -> list[NodeProto]:
-    """The nodes `name` is made from (through tensors not in `stop`), in graph order."""
-    nodes, seen, todo = {}, set(), [name]
+    """The nodes `name` is made from (through tensors not in `stop`), in no particular order."""
+    nodes, todo = {}, [name]
     while todo:
         tensor = todo.pop()
         node = producer.get(tensor)
-        if node is None or tensor in stop or id(node) in seen:
+        if node is None or tensor in stop or id(node) in nodes:
             continue
-        seen.add(id(node))
         nodes[id(node)] = node
         todo.extend(i for i in node.input if i)
-    order = {id(n): i for i, n in enumerate(producer.values())}
-    return sorted(nodes.values(), key=lambda n: order[id(n)])
+    return list(nodes.values())
 
 
 def _cone_reads(name: str, producer: dict[str, NodeProto], reads_file: set[str]) -> bool:

@@ -28,6 +28,8 @@ context: the log-probability of v4engine's token under each against transformers
         --rounds 2                                          # at 4K context (the slice's engine holds 4,096)
     .venv/bin/python -m benchmarks.bench_llamacpp --work /work/scratch/tiny-v4 --checkpoint examples/tiny-v4 \
         --without-llama                                     # llama.cpp's deepseek4 refuses tiny-v4's ratio 16
+
+A disagreement far above rounding is worth a look with benchmarks/topk_ties.py (`--save` a run for it).
 """
 from __future__ import annotations
 
@@ -242,6 +244,9 @@ def main() -> None:
     p.add_argument("--without-llama", action="store_true",
                    help="transformers and v4engine only: for checkpoints llama.cpp does not load (its deepseek4 "
                         "takes compress ratios 0, 4 and 128 only; tiny-v4 compresses by 16)")
+    p.add_argument("--save", type=Path,
+                   help="also write the prompts and every system's tokens and log-probs here as JSON (what "
+                        "benchmarks/topk_ties.py reads)")
     args = p.parse_args()
     checkpoint = args.checkpoint or args.work / "slice"
     if not (checkpoint / "config.json").is_file():
@@ -268,6 +273,8 @@ def main() -> None:
         for kind, gguf in ggufs.items():
             results[f"llama.cpp {kind}"].append(child(python, LLAMA, gguf, args.threads, json.dumps(prompts), forced,
                                                       "repack" if args.repack and kind == "default" else "plain"))
+    if args.save:
+        args.save.write_text(json.dumps({"prompts": prompts, "results": results, "transformers_checkpoint": str(hf)}))
     report(results, checkpoint.name, args)
 
 

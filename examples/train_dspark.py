@@ -35,7 +35,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 from train_tiny import cosine_lr, encode, training_arguments, training_log
 
-from v4engine.builder.load import load_model
+from v4engine.builder.load import load_dspark, load_model
 from v4engine.builder.model import ModelState, Transformer
 from v4engine.builder.model.dspark import BlockContext, DSpark, capture
 from v4engine.builder.tiny import dspark_config, stored_tensors, write_checkpoint_folder
@@ -68,6 +68,49 @@ def dspark_for(target: Transformer, raw: dict, seed: int) -> DSpark:
     drafter.embed.requires_grad_(False)
     drafter.head.requires_grad_(False)
     return drafter
+
+
+@torch.no_grad()
+def continuations(target: Transformer, prompts: np.ndarray, new: int, temperature: float, seed: int,
+                  chunk: int = 64) -> np.ndarray:
+    """The target's own continuations of `prompts` [n, P]: `new` tokens each, greedy at temperature 0, else drawn
+    at `temperature`; returns [n, P + new]. The drafter drafts the target's text at generation time, not the
+    corpus's, so it is also trained on that text (self-distillation)."""
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for start in tqdm(range(0, len(prompts), chunk), desc=f"target continuations T={temperature}", unit="batch"):
+        tokens = torch.from_numpy(prompts[start:start + chunk].astype(np.int64))           # [b, P]
+        state = ModelState(target.cfg, tokens.shape[0])
+        pieces, x = [tokens], tokens
+        for _ in range(new):
+            step = target(x, state.positions(x.shape[1]), state.views())
+            state.commit(step.deltas, [x.shape[1]] * x.shape[0])
+            logits = step.logits[:, -1].float()                                           # [b, V]
+            if temperature == 0:
+                x = logits.argmax(-1, keepdim=True)                                       # [b, 1]
+            else:
+                x = torch.multinomial((logits / temperature).softmax(-1), 1, generator=generator)
+            pieces.append(x)
+        out.append(torch.cat(pieces, dim=1).numpy())
+    return np.concatenate(out).astype(np.uint16)
+
+
+def generated_pool(target: Transformer, data: np.ndarray, count: int, length: int, prompt: int, seed: int,
+                   path: Path) -> np.ndarray:
+    """`count` sequences of `length` tokens: a `prompt`-token slice of `data` and the target's continuation, half
+    greedy, half drawn at T = 1 (cached at `path`)."""
+    if path.exists():
+        pool = np.load(path)
+        if pool.shape == (count, length):
+            return pool
+    rng = np.random.default_rng(seed)
+    starts = rng.integers(0, len(data) - prompt - 1, count)
+    prompts = np.stack([data[s:s + prompt] for s in starts])
+    half = count // 2
+    pool = np.concatenate([continuations(target, prompts[:half], length - prompt, 0.0, seed),
+                           continuations(target, prompts[half:], length - prompt, 1.0, seed)])
+    np.save(path, pool)
+    return pool
 
 
 def block_losses(target: Transformer, drafter: DSpark, batch: torch.Tensor, anchors: int, rng: np.random.Generator
@@ -116,14 +159,26 @@ def block_losses(target: Transformer, drafter: DSpark, batch: torch.Tensor, anch
             "accept_t1": (1 - tv).mean(0).detach(), "accept_greedy": greedy.mean(0)}
 
 
+def draw(data: np.ndarray, pool: np.ndarray | None, count: int, generated: int, length: int,
+         rng: np.random.Generator) -> torch.Tensor:
+    """A [count, length] batch: `generated` sequences from `pool` (the target's continuations), the rest slices of
+    `data`."""
+    starts = rng.integers(0, len(data) - length - 1, count - generated)
+    rows = [data[s:s + length] for s in starts]
+    if generated:
+        rows += list(pool[rng.integers(0, len(pool), generated)])
+    return torch.from_numpy(np.stack(rows).astype(np.int64))
+
+
 @torch.no_grad()
-def held_out(target: Transformer, drafter: DSpark, data: np.ndarray, length: int, batches: int) -> dict[str, object]:
-    """The objective and per-position acceptance estimates on `batches` held-out batches of 8 x `length`."""
+def held_out(target: Transformer, drafter: DSpark, data: np.ndarray, length: int, batches: int,
+             pool: np.ndarray | None = None) -> dict[str, object]:
+    """The objective and per-position acceptance estimates on `batches` held-out batches of 8 x `length`: slices of
+    `data`, or the target's continuations in `pool` when given."""
     rng = np.random.default_rng(1)
     sums: dict[str, object] = {}
     for _ in range(batches):
-        starts = rng.integers(0, len(data) - length - 1, 8)
-        batch = torch.from_numpy(np.stack([data[s:s + length] for s in starts]).astype(np.int64))
+        batch = draw(data, pool, 8, 8 if pool is not None else 0, length, rng)
         for k, v in block_losses(target, drafter, batch, 16, rng).items():
             sums[k] = sums.get(k, 0) + v / batches
     return {k: (round(v.item(), 4) if v.dim() == 0 else [round(x, 3) for x in v.tolist()]) for k, v in sums.items()}
@@ -153,6 +208,14 @@ def main() -> None:
     p = training_arguments(__doc__.splitlines()[0], minutes=60, steps=1200, lr=1e-3)
     p.add_argument("--anchors", type=int, default=24, help="blocks drawn per sequence per step")
     p.add_argument("--markov-rank", type=int, default=64, help="rank r of the Markov head (Flash: 256)")
+    p.add_argument("--init-from", type=Path, default=None,
+                   help="start the drafter from this DSpark checkpoint's mtp.* weights (e.g. examples/tiny-v4-dspark) "
+                        "instead of tiny-v4's MTP block; a fresh optimizer and schedule")
+    p.add_argument("--distill", type=float, default=0.0,
+                   help="fraction of each batch drawn from the target's own continuations of training prompts "
+                        "(half greedy, half at T = 1) rather than from the corpus")
+    p.add_argument("--distill-pool", type=int, default=2048, help="how many continuations to generate (cached in WORK)")
+    p.add_argument("--distill-prompt", type=int, default=64, help="corpus tokens before each continuation")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     say = training_log(args.work)
@@ -168,6 +231,23 @@ def main() -> None:
     target = load_model(TARGET, mtp=True).requires_grad_(False)
     raw = dspark_config(json.loads((TARGET / "config.json").read_text()), args.markov_rank)
     drafter = dspark_for(target, raw, args.seed)
+    if args.init_from:
+        start = load_dspark(args.init_from)
+        mtp_only = {k: v for k, v in start.state_dict().items() if k.startswith("mtp.")}
+        if mtp_only.keys() != {k for k in drafter.state_dict() if k.startswith("mtp.")}:
+            raise SystemExit(f"{args.init_from}: its drafter's tensors are not those of --markov-rank "
+                             f"{args.markov_rank} on tiny-v4")
+        drafter.load_state_dict(mtp_only, strict=False)
+        say(f"drafter started from {args.init_from}")
+    generated = round(args.batch * args.distill)
+    pool = held_pool = None
+    if generated:
+        pool = generated_pool(target, train, args.distill_pool, args.length, args.distill_prompt, args.seed,
+                              args.work / "generated-train.npy")
+        held_pool = generated_pool(target, held, 64, args.length, args.distill_prompt, args.seed + 1,
+                                   args.work / "generated-held.npy")
+        say(f"target continuations: {len(pool)} for training ({generated} of {args.batch} sequences a step), "
+            f"{len(held_pool)} of held-out prompts")
     trained = [q for q in drafter.parameters() if q.requires_grad]
     say(f"drafter: {sum(q.numel() for q in trained) / 1e6:.2f} M trained parameters in mtp.0..2")
     optimizer = torch.optim.AdamW(trained, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
@@ -180,6 +260,8 @@ def main() -> None:
         say(f"resumed at step {step}")
     else:
         say(f"held-out at step 0: {held_out(target, drafter, held, args.length, 4)}")
+        if held_pool is not None:
+            say(f"held-out continuations at step 0: {held_out(target, drafter, held, args.length, 4, held_pool)}")
     rng = np.random.default_rng(args.seed + step)
     started, last_save = time.time(), time.time()
     drafter.train()
@@ -188,8 +270,7 @@ def main() -> None:
         lr = cosine_lr(step, args.steps, args.lr, warmup=50)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        starts = rng.integers(0, len(train) - args.length - 1, args.batch)
-        batch = torch.from_numpy(np.stack([train[s:s + args.length] for s in starts]).astype(np.int64))
+        batch = draw(train, pool, args.batch, generated, args.length, rng)
         out = block_losses(target, drafter, batch, args.anchors, rng)
         optimizer.zero_grad(set_to_none=True)
         out["loss"].backward()
@@ -209,6 +290,8 @@ def main() -> None:
     torch.save({"drafter": drafter.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, state_path)
     drafter.eval()
     say(f"done at step {step}: held-out {held_out(target, drafter, held, args.length, 8)}")
+    if held_pool is not None:
+        say(f"held-out continuations: {held_out(target, drafter, held, args.length, 8, held_pool)}")
     if args.output:
         write_release_layout(drafter, raw, args.output)
         say(f"wrote {args.output}")

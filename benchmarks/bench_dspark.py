@@ -68,7 +68,7 @@ class CalibrationLog:
 def systems(args: argparse.Namespace, max_batch: int) -> dict[str, Generator]:
     """Every system's generator; the prefix cache off (repeated prompts would skip their prefills)."""
     mtp = built_engine(args.checkpoint, args.work, mtp=3, name="mtp")
-    dspark = {n: built_engine(DSPARK, args.work, mtp=n, name=f"dspark{n}") for n in WIDTHS}
+    dspark = {n: built_engine(args.dspark, args.work, mtp=n, name=f"dspark{n}") for n in WIDTHS}
 
     def open_(engine: Path, **options) -> Generator:
         return Generator.from_engine_dir(engine, own_process=True, prefix_cache=False,
@@ -204,6 +204,8 @@ def slice_costs(work: Path, prompt_tokens: int, batch_sizes: list[int]) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     prompt_arguments(p)
+    p.add_argument("--dspark", type=Path, default=DSPARK,
+                   help="the DSpark checkpoint (the same target as --checkpoint with its DSpark drafter)")
     p.add_argument("--work", type=Path, default=Path("/tmp/bench-dspark"), help="engine folder (reused)")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="0: greedy; above 0 sampled")

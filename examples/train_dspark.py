@@ -15,11 +15,21 @@ toward 1 - TV (the chance that a draft drawn from p_d survives rejection samplin
 weighted by exp(-(k-1)/N). The stages start from tiny-v4's trained MTP block (the same shapes), the Markov head's
 W2 at zero (no correction), so the first steps already draft something.
 
+With --distill, part of each batch is the target's own text instead of the corpus's: continuations it generated
+(half greedy, half drawn at T = 1) from prompts cut out of the training files, so the drafter also learns the text
+it drafts at generation time (the held-out files stay held out; their continuations only measure). --init-from
+starts the stages from a shipped DSpark drafter instead of the MTP block, for a second run after a first.
+
 The script is seeded, logs progress, resumes from WORK/state.pt, stops after --minutes, then writes the 0731
 layout to --output: tiny-v4's target shard byte for byte (so git stores it once), the drafter under mtp.0..2 in a
 second shard (FP8 128x128 blocks; Markov tables and norms bf16), config.json with the dspark_* keys, the tokenizer.
 
-    .venv/bin/python examples/train_dspark.py --work /tmp/train-dspark --minutes 60 --output examples/tiny-v4-dspark
+examples/tiny-v4-dspark was made by two runs (its README has the figures):
+
+    .venv/bin/python examples/train_dspark.py --work /tmp/train-dspark --minutes 68 --steps 1000 --lr 1.5e-3 \
+        --output /tmp/tiny-v4-dspark-first
+    .venv/bin/python examples/train_dspark.py --work /tmp/train-dspark-2 --init-from /tmp/tiny-v4-dspark-first \
+        --distill 0.5 --distill-pool 1024 --minutes 80 --steps 1800 --lr 7e-4 --output /tmp/tiny-v4-dspark
 """
 from __future__ import annotations
 

@@ -108,8 +108,8 @@ def training_arguments(description: str, minutes: float, steps: int, lr: float) 
     p.add_argument("--batch", type=int, default=8, help="sequences per step")
     p.add_argument("--length", type=int, default=256, help="tokens per sequence (several sliding windows)")
     p.add_argument("--lr", type=float, default=lr, help="peak learning rate")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0, help="seeds the initialisation and the batches drawn")
+    p.add_argument("--threads", type=int, default=2, help="torch's intra-op threads")
     return p
 
 

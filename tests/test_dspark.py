@@ -8,11 +8,13 @@ full recompute, and the runtime's accepted counts against a full-recompute run o
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
 import torch
+from tokenizers import Tokenizer
 
 from v4engine.builder.build import BuildOptions, build, control_flow
 from v4engine.builder.load import load_dspark, load_model
@@ -31,6 +33,7 @@ from v4engine.runtime.sampling import RequestError, SamplingParams
 from v4engine.runtime.sessions import open_session
 
 TOL = 1e-4
+TRAINED_DSPARK = Path(__file__).resolve().parent.parent / "examples" / "tiny-v4-dspark"
 
 
 @pytest.fixture(scope="module")
@@ -231,13 +234,26 @@ def test_greedy_tokens_with_1_to_7_drafts_equal_no_drafting(dspark_engine):
         assert 0 < generator.totals.accepted < generator.totals.drafted, "drafts both accepted and rejected"
 
 
+@pytest.fixture(scope="module")
+def trained_dspark_engine(shared):
+    """The shipped trained DSpark (examples/tiny-v4-dspark) built --mtp 5, once per run."""
+    return TRAINED_DSPARK, shared("trained-dspark-engine", lambda folder: build(
+        BuildOptions(checkpoint=TRAINED_DSPARK, output=folder, mtp=5, progress=False)))
+
+
+@pytest.mark.parametrize("drafter, prompt", [
+    ("dspark_engine", [5, 17, 99, 3, 42, 8, 61, 2, 9, 14, 33]),
+    ("trained_dspark_engine", "def read_lines(path):\n    with open(path) as f:\n        for line in f:\n")],
+    ids=["the random drafter", "the shipped trained drafter"])
 @torch.no_grad()
-def test_accepted_counts_equal_a_full_recompute_of_the_drafters_definition(dspark_engine):
+def test_accepted_counts_equal_a_full_recompute_of_the_drafters_definition(request, drafter, prompt):
     """Each step: the target over every committed token from scratch (capturing), the drafter's cycle from scratch
     on those rows, greedy verification by the target from scratch: the accepted count the runtime reported."""
-    checkpoint, engine = dspark_engine
+    checkpoint, engine = request.getfixturevalue(drafter)
+    if isinstance(prompt, str):
+        prompt = Tokenizer.from_file(str(checkpoint / "tokenizer.json")).encode(prompt).ids
     target, dspark = load_model(checkpoint, mtp=False), load_dspark(checkpoint)
-    k, prompt = 5, [5, 17, 99, 3, 42, 8, 61, 2, 9, 14, 33]
+    k = 5
     got = Generator.from_engine_dir(engine, mtp=k, **EVERY_DRAFT).generate([prompt], SamplingParams(max_new_tokens=30,
                                                                                       ignore_eos=True))[0]
 

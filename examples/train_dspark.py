@@ -50,6 +50,7 @@ from v4engine.builder.model import ModelState, Transformer
 from v4engine.builder.model.dspark import BlockContext, DSpark, capture
 from v4engine.builder.tiny import dspark_config, stored_tensors, write_checkpoint_folder
 from v4engine.contract.config import V4Config
+from v4engine.contract.errors import V4EngineError
 from v4engine.testkit.corpus import stdlib_split
 
 TARGET = Path(__file__).resolve().parent / "tiny-v4"
@@ -108,11 +109,9 @@ def continuations(target: Transformer, prompts: np.ndarray, new: int, temperatur
 def generated_pool(target: Transformer, data: np.ndarray, count: int, length: int, prompt: int, seed: int,
                    path: Path) -> np.ndarray:
     """`count` sequences of `length` tokens: a `prompt`-token slice of `data` and the target's continuation, half
-    greedy, half drawn at T = 1 (cached at `path`)."""
+    greedy, half drawn at T = 1 (cached at `path`, whose name must hold every argument)."""
     if path.exists():
-        pool = np.load(path)
-        if pool.shape == (count, length):
-            return pool
+        return np.load(path)
     rng = np.random.default_rng(seed)
     starts = rng.integers(0, len(data) - prompt - 1, count)
     prompts = np.stack([data[s:s + prompt] for s in starts])
@@ -227,6 +226,11 @@ def main() -> None:
     p.add_argument("--distill-pool", type=int, default=2048, help="how many continuations to generate (cached in WORK)")
     p.add_argument("--distill-prompt", type=int, default=64, help="corpus tokens before each continuation")
     args = p.parse_args()
+    if not 0 <= args.distill <= 1:
+        p.error(f"--distill {args.distill}: a fraction of the batch, from 0 to 1")
+    if args.distill and not (args.distill_pool >= 2 and 0 < args.distill_prompt < args.length):
+        p.error(f"--distill-pool {args.distill_pool} / --distill-prompt {args.distill_prompt}: at least 2 "
+                f"continuations, and a prompt shorter than --length {args.length}")
     torch.set_num_threads(args.threads)
     say = training_log(args.work)
 
@@ -242,20 +246,25 @@ def main() -> None:
     raw = dspark_config(json.loads((TARGET / "config.json").read_text()), args.markov_rank)
     drafter = dspark_for(target, raw, args.seed)
     if args.init_from:
-        start = load_dspark(args.init_from)
+        try:
+            start = load_dspark(args.init_from)
+        except V4EngineError as e:              # not a checkpoint, not a DSpark one: one line
+            raise SystemExit(f"--init-from: {e}") from None
         mtp_only = {k: v for k, v in start.state_dict().items() if k.startswith("mtp.")}
-        if mtp_only.keys() != {k for k in drafter.state_dict() if k.startswith("mtp.")}:
-            raise SystemExit(f"{args.init_from}: its drafter's tensors are not those of --markov-rank "
-                             f"{args.markov_rank} on tiny-v4")
+        if {k: v.shape for k, v in mtp_only.items()} != {k: v.shape for k, v in drafter.state_dict().items()
+                                                          if k.startswith("mtp.")}:
+            raise SystemExit(f"--init-from {args.init_from}: its drafter's tensors are not those of a tiny-v4 "
+                             f"drafter with --markov-rank {args.markov_rank}")
         drafter.load_state_dict(mtp_only, strict=False)
         say(f"drafter started from {args.init_from}")
     generated = round(args.batch * args.distill)
     pool = held_pool = None
     if generated:
+        shape = f"{args.length}-prompt{args.distill_prompt}-seed{args.seed}"
         pool = generated_pool(target, train, args.distill_pool, args.length, args.distill_prompt, args.seed,
-                              args.work / "generated-train.npy")
+                              args.work / f"generated-train-{args.distill_pool}x{shape}.npy")
         held_pool = generated_pool(target, held, 64, args.length, args.distill_prompt, args.seed + 1,
-                                   args.work / "generated-held.npy")
+                                   args.work / f"generated-held-64x{shape}.npy")
         say(f"target continuations: {len(pool)} for training ({generated} of {args.batch} sequences a step), "
             f"{len(held_pool)} of held-out prompts")
     trained = [q for q in drafter.parameters() if q.requires_grad]

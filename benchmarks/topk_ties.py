@@ -96,7 +96,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     saved = json.loads(args.run.read_text())
-    ours = [run for run in saved["results"]["v4engine"][0]["runs"]]
+    ours = saved["results"]["v4engine"][0]["runs"]
     theirs = saved["results"]["transformers"][0]["runs"]
     gap, prompt_index, step = max((abs(a - b), i, j) for i, (o, t) in enumerate(zip(ours, theirs))
                                   for j, (a, b) in enumerate(zip(o["logprobs"], t["logprobs"])))
@@ -110,7 +110,7 @@ def main() -> None:
     margins: dict[int, torch.Tensor] = {}
 
     def record(i, module, output):
-        name, _, k, rate = sites[i]
+        _, _, k, rate = sites[i]
         margins[i] = relative_margin(candidate_scores(module, output, rate).detach(), k)
 
     def agreement(rows: torch.Tensor) -> str:

@@ -107,6 +107,7 @@ def tiny_engine(tiny_checkpoint, shared):
 
 
 TRAINED = Path(__file__).resolve().parent.parent / "examples" / "tiny-v4"
+TRAINED_DSPARK = TRAINED.parent / "tiny-v4-dspark"
 
 
 @pytest.fixture(scope="session")
@@ -116,6 +117,15 @@ def trained_engine(shared) -> Path:
 
     return shared("trained-engine", lambda folder: build(BuildOptions(checkpoint=TRAINED, output=folder, mtp=3,
                                                                       progress=False)))
+
+
+@pytest.fixture(scope="session")
+def trained_dspark_engine(shared) -> tuple[Path, Path]:
+    """(checkpoint, engine): the shipped trained DSpark (examples/tiny-v4-dspark) built --mtp 5, once per run."""
+    from v4engine.builder.build import BuildOptions, build
+
+    return TRAINED_DSPARK, shared("trained-dspark-engine", lambda folder: build(
+        BuildOptions(checkpoint=TRAINED_DSPARK, output=folder, mtp=5, progress=False)))
 
 
 @pytest.fixture

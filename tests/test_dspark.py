@@ -8,7 +8,6 @@ full recompute, and the runtime's accepted counts against a full-recompute run o
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -33,7 +32,6 @@ from v4engine.runtime.sampling import RequestError, SamplingParams
 from v4engine.runtime.sessions import open_session
 
 TOL = 1e-4
-TRAINED_DSPARK = Path(__file__).resolve().parent.parent / "examples" / "tiny-v4-dspark"
 
 
 @pytest.fixture(scope="module")
@@ -232,13 +230,6 @@ def test_greedy_tokens_with_1_to_7_drafts_equal_no_drafting(dspark_engine):
         generator = Generator.from_engine_dir(engine, mtp=n, **EVERY_DRAFT)
         assert [r.token_ids for r in generator.generate(prompts, params)] == plain, f"N = {n}"
         assert 0 < generator.totals.accepted < generator.totals.drafted, "drafts both accepted and rejected"
-
-
-@pytest.fixture(scope="module")
-def trained_dspark_engine(shared):
-    """The shipped trained DSpark (examples/tiny-v4-dspark) built --mtp 5, once per run."""
-    return TRAINED_DSPARK, shared("trained-dspark-engine", lambda folder: build(
-        BuildOptions(checkpoint=TRAINED_DSPARK, output=folder, mtp=5, progress=False)))
 
 
 @pytest.mark.parametrize("drafter, prompt", [

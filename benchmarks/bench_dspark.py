@@ -1,15 +1,20 @@
 """DSpark against MTP, side by side: acceptance, speed, call costs, and the confidence head's calibration.
 
-Engines: the trained tiny V4 (examples/tiny-v4) built --mtp 3, whose MTP layer drafts k = 1..3 (MTP 0: no
-drafting), and examples/tiny-v4-dspark (the same target with its trained DSpark drafter) built --mtp 3, 5 and 7:
-DSpark N = 3, 5, 7 (N is the draft graph's block width, so each N is an engine of its own). On held-out prompts
-(files the models never saw), every system runs each group of prompts in turn (interleaved, so machine noise hits all
-alike): MTP 0..3, DSpark N with every draft verified, and DSpark N with confidence scheduling
-(runtime/verify_schedule.py). For each batch size and temperature: tokens/s and the ratio to MTP 0, mean acceptance
-length, per-position acceptance, and whether greedy tokens equal MTP 0's. Then, at batch 1, the per-call costs in
-decodes (verify of N + 1, one draft cycle) and the bound they set (mean acceptance length / (verify + draft)); the
-confidence head's calibration on DSpark 5 (predicted survival, the running product of the confidences, against
-observed acceptance, per position and in bins); and a PNG of acceptance per position and the calibration curve.
+Engines: the trained tiny V4 (examples/tiny-v4) built --mtp 3, whose MTP layer drafts k = 1..3 (MTP 0: no drafting),
+and examples/tiny-v4-dspark (the same target with its trained DSpark drafter) built --mtp 3, 5 and 7: DSpark N = 3,
+5, 7 (N is the draft graph's block width, so each N is an engine of its own). On held-out prompts (files the models
+never saw), every system runs the prompts in turn: MTP 0..3, DSpark N with every draft verified, and DSpark N with
+confidence scheduling (runtime/verify_schedule.py). At batch 1 the systems take turns prompt by prompt (interleaved,
+so machine noise hits all alike); at batch B > 1 each runs all the prompts as one saturated batch, a generator of
+max_batch B with the rest waiting for a free row (a server's batch under load: a row whose request ends takes the
+next, so no row idles while a slower request of its group finishes), `--rounds` times in turn; its tokens/s over the
+whole run and over its full steps (B rows in the step: the end of a finite run, where rows empty one by one, left
+out). For each batch size and temperature: tokens/s and the ratio to MTP 0, mean acceptance length, per-position
+acceptance, and whether greedy tokens equal MTP 0's; then, at the first temperature, the per-call costs in decodes
+(verify of N + 1, one draft cycle; at batch B, the calls of B rows) and the bound they set (mean acceptance length /
+(verify + draft)); the confidence head's calibration on DSpark 5 (predicted survival, the running product of the
+confidences, against observed acceptance, per position and in bins); and a PNG of acceptance per position and the
+calibration curve.
 
 `--slice` measures call costs only on the wide slice (make-tiny --config slice, random weights: nothing is accepted),
 MTP 3 against DSpark 5, so the cost of three stages with their own MoE is known at width.
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +36,7 @@ from benchmarks.bench_generate import ROOT, CallClock, Tally, held_out_prompts, 
 from v4engine.builder.tiny import make_tiny
 from v4engine.runtime import Generator, Limits
 from v4engine.runtime.metrics import RequestMetrics
+from v4engine.runtime.scheduler import Scheduler, StepResult
 from v4engine.runtime.verify_schedule import survival
 
 DSPARK = ROOT / "examples" / "tiny-v4-dspark"
@@ -65,6 +72,28 @@ class CalibrationLog:
                 for b in range(bins) if (which == b).any()]
 
 
+class SaturatedClock:
+    """Tokens and seconds of a scheduler's full steps (max_batch rows took part): a batch under load, without a
+    finite run's tail, where rows empty one by one as the last requests end."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.tokens, self.seconds, self.scheduler = 0, 0.0, scheduler
+        step = scheduler.step
+
+        def timed() -> StepResult:
+            started = time.perf_counter()
+            result = step()
+            if len(scheduler.active) + len(result.finished) == scheduler.max_batch:
+                self.seconds += time.perf_counter() - started
+                self.tokens += sum(len(t) for t in result.new_tokens.values())
+            return result
+
+        scheduler.step = timed
+
+    def detach(self) -> None:
+        del self.scheduler.step                  # the class's own again
+
+
 def systems(args: argparse.Namespace, max_batch: int) -> dict[str, Generator]:
     """Every system's generator; the prefix cache off (repeated prompts would skip their prefills)."""
     mtp = built_engine(args.checkpoint, args.work, mtp=3, name="mtp")
@@ -81,44 +110,55 @@ def systems(args: argparse.Namespace, max_batch: int) -> dict[str, Generator]:
 
 
 def compare(generators: dict[str, Generator], prompts: list[list[int]], batch: int, temperature: float,
-            new_tokens: int, seed: int, calibration: CalibrationLog) -> dict[str, Tally]:
-    """Every system on every group of `batch` prompts, interleaved; the tallies."""
+            new_tokens: int, seed: int, calibration: CalibrationLog, rounds: int
+            ) -> tuple[dict[str, Tally], dict[str, float]]:
+    """Every system on the prompts: at batch 1 one prompt at a time, interleaved; above, all of them as one
+    saturated batch (the generators' max_batch), `rounds` times, the systems taking turns; the tallies, and above
+    batch 1 each system's tokens/s over its full steps (SaturatedClock)."""
     tallies = {name: Tally() for name in generators}
+    clocks = {name: SaturatedClock(g.scheduler) for name, g in generators.items()} if batch > 1 else {}
     for g in generators.values():
         g.totals = RequestMetrics(mtp=g.scheduler.mtp)
-    groups = [[prompts[(i + j) % len(prompts)] for j in range(batch)] for i in range(0, len(prompts), batch)]
+    groups = [[p] for p in prompts] if batch == 1 else [prompts] * rounds
     for group in groups:
         for name, g in generators.items():
             calibration.on = name == "DSpark 5"
             run_v4engine(g, group, new_tokens, tallies[name], temperature, seed)
     calibration.on = False
-    return tallies
+    for clock in clocks.values():
+        clock.detach()
+    return tallies, {name: clock.tokens / clock.seconds for name, clock in clocks.items()}
 
 
-def report(tallies: dict[str, Tally], batch: int, temperature: float, groups: str) -> dict[str, float]:
-    """Print the table and the ratios; tokens/s by system."""
+def report(tallies: dict[str, Tally], saturated: dict[str, float], batch: int, temperature: float, groups: str
+           ) -> dict[str, float]:
+    """Print the table and the ratios (over the whole run, and over full steps where measured); tokens/s by
+    system."""
     print(table(f"batch {batch} ({groups}, temperature {temperature:g})", {n: t.row() for n, t in tallies.items()}))
     base = tallies["MTP 0"]
     rates = {n: t.tokens / t.seconds for n, t in tallies.items()}
     for name, t in tallies.items():
         same = "" if temperature else f"; tokens {'equal' if t.outputs == base.outputs else 'DIFFER from'} MTP 0's"
-        print(f"  {name}: {rates[name] / rates['MTP 0']:.2f}x MTP 0{same}")
+        full = f"; full steps {saturated[name]:.1f} tokens/s, {saturated[name] / saturated['MTP 0']:.2f}x MTP 0" \
+            if saturated else ""
+        print(f"  {name}: {rates[name] / rates['MTP 0']:.2f}x MTP 0{full}{same}")
     print()
     return rates
 
 
-def costs_at_batch_1(generators: dict[str, Generator], prompts: list[list[int]], new_tokens: int,
-                     tallies: dict[str, Tally]) -> None:
-    """Per-call medians in decodes, and the bound each drafter's calls set at its acceptance length."""
+def call_costs(generators: dict[str, Generator], prompts: list[list[int]], batch: int, new_tokens: int,
+               tallies: dict[str, Tally]) -> None:
+    """Per-call medians in decodes (calls of `batch` rows: at batch 1, four prompts; above, a saturated run over
+    all of them), and the bound each drafter's calls set at its acceptance length."""
     clocks = {}
     for name in ["MTP 0", "MTP 3", *(f"DSpark {n}" for n in WIDTHS)]:
-        clocks[name] = CallClock(generators[name].scheduler.mtp)
+        clocks[name] = CallClock(generators[name].scheduler.mtp, rows=batch)
         generators[name].scheduler.calls.on_call = clocks[name]
-        for prompt in prompts[:4]:
-            run_v4engine(generators[name], [prompt], new_tokens, Tally())
+        for group in ([p] for p in prompts[:4]) if batch == 1 else [prompts]:
+            run_v4engine(generators[name], group, new_tokens, Tally())
         generators[name].scheduler.calls.on_call = None
     unit = clocks["MTP 0"].median("decode")
-    print("### per-call costs at batch 1 (medians, in decodes) and the bound they set\n")
+    print(f"### per-call costs at batch {batch} (medians, in decodes) and the bound they set\n")
     print("| system | verify of k+1 | draft cycle | mean acc. length | bound | measured | of the bound |")
     print("|---|---|---|---|---|---|---|")
     base = tallies["MTP 0"].tokens / tallies["MTP 0"].seconds
@@ -210,6 +250,8 @@ def main() -> None:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="0: greedy; above 0 sampled")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=3,
+                   help="above batch 1: times each system runs the saturated batch, the systems taking turns")
     p.add_argument("--plot", type=Path, default=ROOT / "benchmarks" / "dspark.png", help="the PNG written")
     p.add_argument("--slice", action="store_true", help="call costs on the wide slice instead (random weights)")
     args = p.parse_args()
@@ -218,20 +260,23 @@ def main() -> None:
         return
     prompts = held_out_prompts(args.checkpoint / "tokenizer.json", args.prompts, args.prompt_tokens,
                                args.new_tokens, args.seed)
-    generators = systems(args, max(args.batch_sizes))
-    for g in generators.values():                            # warm up every system once, untimed
-        run_v4engine(g, prompts[:1], 8, Tally())
     calibration = CalibrationLog()
     first = None
-    for temperature in args.temperatures:
-        for batch in args.batch_sizes:
-            tallies = compare(generators, prompts, batch, temperature, args.new_tokens, args.seed, calibration)
-            report(tallies, batch, temperature, f"{len(prompts)} held-out prompts of {args.prompt_tokens} tokens, "
-                   f"{args.new_tokens} new tokens each")
+    for batch in args.batch_sizes:
+        generators = systems(args, batch)
+        for g in generators.values():                        # warm up every system once, untimed
+            run_v4engine(g, prompts[:batch], 8, Tally())
+        for temperature in args.temperatures:
+            tallies, saturated = compare(generators, prompts, batch, temperature, args.new_tokens, args.seed,
+                                         calibration, args.rounds)
+            kind = "one at a time" if batch == 1 else "a saturated batch"
+            report(tallies, saturated, batch, temperature, f"{len(prompts)} held-out prompts of {args.prompt_tokens} tokens, "
+                   f"{args.new_tokens} new tokens each, {kind}")
+            if temperature == args.temperatures[0]:
+                call_costs(generators, prompts, batch, args.new_tokens, tallies)
             first = first or (tallies, batch, temperature)
+        del generators
     tallies, batch, temperature = first
-    if batch == 1:
-        costs_at_batch_1(generators, prompts, args.new_tokens, tallies)
     calibration_tables(calibration)
     plot(tallies, calibration, args.plot, f"batch {batch}, temperature {temperature:g}")
 

@@ -121,11 +121,13 @@ class CallClock:
 
     NAMES = {Call.PREFILL: "prefill", Call.EXTEND: "extend", Call.CYCLE: "draft"}
 
-    def __init__(self, mtp: int) -> None:
-        self.mtp = mtp
+    def __init__(self, mtp: int, rows: int | None = None) -> None:
+        self.mtp, self.rows = mtp, rows           # rows: only calls of this many rows are kept (None: all)
         self.seconds: dict[str, list[float]] = {}
 
     def __call__(self, call: Call, shape: tuple[int, ...], seconds: float) -> None:
+        if self.rows is not None and shape[0] != self.rows:
+            return
         kind = self.NAMES.get(call) or ("decode" if shape[1] == 1 else "verify")
         self.seconds.setdefault(kind, []).append(seconds)
 

@@ -1,6 +1,6 @@
 """Continuous batching with speculative decoding (docs/architecture.md §4).
 
-Every request carries its phase; one engine call may hold rows in different phases (a prefill chunk beside
+Every request carries its phase; one step may hold rows in different phases (a prefill chunk beside
 verify rows), each handled by its own phase and length, never by the shape of the batch.
 
 Caches live in paged pools (runtime/cache.py) sized once from a memory budget (runtime/budget.py). One step:
@@ -11,7 +11,8 @@ Caches live in paged pools (runtime/cache.py) sized once from a memory budget (r
 2. DRAFT for decoding requests: the drafter proposes up to k tokens each (runtime/drafters/: MTP's or DSpark's draft
    graph, one engine call; prompt lookup, none), with the distributions they were drawn from; with confidence
    scheduling (runtime/verify_schedule.py) only when drafting pays, and only the prefixes that pay are verified;
-3. one target call over every active row: the next prefill chunk, or VERIFY [t, d1..dk];
+3. the target's call over every active row: the next prefill chunk, or VERIFY [t, d1..dk] (chunks longer than a
+   verify in a call of their own: beside them every verify row would be padded to the chunk);
 4. COMMIT: prefill rows commit the chunk; verify rows accept j drafts + 1 token (greedy or lossless
    sampling) and commit j+1 positions; the drafter observes what was committed; stop conditions end requests,
    whose caches are released.
@@ -37,7 +38,7 @@ from .budget import plan_pools, sequence_bytes
 from .cache import SequenceCache
 from .detokenize import IncrementalDetokenizer
 from .drafters import Drafter, Proposal
-from .engine_calls import EngineCalls
+from .engine_calls import EngineCalls, apart_by_length
 from .metrics import RequestMetrics
 from .pool_arrays import NUMPY_DTYPES
 from .prefix_cache import PrefixCache, PrefixEntry
@@ -379,8 +380,13 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the target call
     def _target(self, rows: list[Request], new_tokens: dict[int, list[int]]) -> float:
-        """One target call: a prefill chunk or [t, d1..dk] per row; then each row's commit by its phase."""
+        """The target's calls of a step: a prefill chunk or [t, d1..dk] per row (chunks longer than a verify in a
+        call of their own, engine_calls.apart_by_length); then each row's commit by its phase."""
         inputs = [self._prefill_chunk(r) if r.phase == Phase.PREFILL else self._verify_input(r) for r in rows]
+        return sum(self._target_call([rows[i] for i in group], [inputs[i] for i in group], new_tokens)
+                   for group in apart_by_length([len(x) for x in inputs], self.mtp + 1))
+
+    def _target_call(self, rows: list[Request], inputs: list[list[int]], new_tokens: dict[int, list[int]]) -> float:
         S = max(len(x) for x in inputs)
         ids = np.zeros((len(rows), S), np.int64)                                          # [B, S]
         for b, x in enumerate(inputs):

@@ -7,7 +7,9 @@ rows and verifies width w + 1 commits, in expectation, the sum over rows of 1 + 
 a draft cycle at batch B plus a target call of width w + 1. `VerifyPlanner` keeps the w that maximises expected
 tokens per second, from costs measured on this machine (`StepCosts`, profiled once per engine, options and machine,
 and recorded). It also decides whether to draft at all: from each row's survivals at its last draft, the best
-expected rate of a step with a draft cycle against a plain decode step (B tokens per target call of width 1); when
+expected rate of a step with a draft cycle against a plain decode step (B tokens per target call of width 1, timed
+in steps without a draft cycle: after one, the same call costs more, 10.7 against 9.1 ms at batch 8 on tiny-v4,
+the drafter's weights having pushed the target's out of the CPU's caches); when
 drafting does not pay (a saturated batch whose drafts are rarely kept) the step makes no draft call, and now and
 then (less often while it keeps not paying) a step drafts again to refresh the estimates. The drafter's rings lose
 nothing by a skipped cycle: the next one feeds them every committed position it has not seen.
@@ -37,21 +39,27 @@ from .scheduler import Phase, Request, Scheduler
 CACHE_DIR = "V4ENGINE_CACHE_DIR"       # where profiles are recorded (default ~/.cache/v4engine)
 REPEATS = 5                           # timings per (batch, width): the median is kept
 PROFILE_PROMPT = 64                   # prompt tokens of the profiling requests
+PROFILE_METHOD = 2                    # how a profile is measured: a record made another way is measured again
 
 
 @dataclass(frozen=True)
 class StepCosts:
-    """Seconds of the calls a step makes, at each profiled batch size (ascending `batches`): one draft cycle
-    (`draft[i]`) and one target call verifying width 1 .. k + 1 (`verify[i][w - 1]`); between and beyond the
-    profiled sizes, linear interpolation (flat past the ends)."""
+    """Seconds of the calls a step makes, at each profiled batch size (ascending `batches`): a plain decode step's
+    target call (`decode[i]`), and in a step that drafts, the draft cycle (`draft[i]`) and the target call verifying
+    width 1 .. k + 1 (`verify[i][w - 1]`); between and beyond the profiled sizes, linear interpolation (flat past
+    the ends)."""
 
     batches: tuple[int, ...]
+    decode: tuple[float, ...]
     draft: tuple[float, ...]
     verify: tuple[tuple[float, ...], ...]
 
     @property
     def widths(self) -> int:
         return len(self.verify[0])
+
+    def decode_at(self, batch: int) -> float:
+        return float(np.interp(batch, self.batches, self.decode))
 
     def draft_at(self, batch: int) -> float:
         return float(np.interp(batch, self.batches, self.draft))
@@ -60,21 +68,23 @@ class StepCosts:
         return float(np.interp(batch, self.batches, [row[width - 1] for row in self.verify]))
 
     def to_json(self) -> dict[str, Any]:
-        return {"batches": list(self.batches), "draft": list(self.draft), "verify": [list(r) for r in self.verify]}
+        return {"batches": list(self.batches), "decode": list(self.decode), "draft": list(self.draft),
+                "verify": [list(r) for r in self.verify]}
 
     @classmethod
     def from_json(cls, data: Any, widths: int) -> "StepCosts | None":
         """A recorded profile, or None when it is not one for `widths` verify widths (then it is measured again)."""
         try:
-            batches, draft = tuple(data["batches"]), tuple(data["draft"])
+            batches, decode, draft = tuple(data["batches"]), tuple(data["decode"]), tuple(data["draft"])
             verify = tuple(tuple(row) for row in data["verify"])
-            ok = (batches and len(draft) == len(batches) == len(verify)
+            ok = (batches and len(decode) == len(draft) == len(batches) == len(verify)
                   and all(isinstance(b, int) and b > 0 for b in batches) and list(batches) == sorted(set(batches))
                   and all(len(row) == widths for row in verify)
-                  and all(isinstance(s, float) and math.isfinite(s) and s > 0 for s in (*draft, *sum(verify, ()))))
+                  and all(isinstance(s, float) and math.isfinite(s) and s > 0
+                          for s in (*decode, *draft, *sum(verify, ()))))
         except (KeyError, TypeError):
             return None
-        return cls(batches, draft, verify) if ok else None
+        return cls(batches, decode, draft, verify) if ok else None
 
 
 def survival(confidence: np.ndarray) -> np.ndarray:
@@ -103,9 +113,9 @@ class VerifyPlanner:
         return max(range(longest + 1), key=lambda w: (self.expected_rate(survivals, w), -w))
 
     def pays(self, survivals: Sequence[np.ndarray]) -> bool:
-        """Whether a step that drafts for these rows beats a plain decode step (B tokens per verify of width 1)."""
+        """Whether a step that drafts for these rows beats a plain decode step (B tokens per decode call)."""
         B = len(survivals)
-        return self.expected_rate(survivals, self.best_width(survivals)) > B / self.costs.verify_at(B, 1)
+        return self.expected_rate(survivals, self.best_width(survivals)) > B / self.costs.decode_at(B)
 
     def should_draft(self, requests: Sequence[Request]) -> bool:
         """Whether this step's decoding rows draft: yes when drafting pays by each row's survivals at its last draft (a
@@ -140,13 +150,13 @@ class VerifyPlanner:
 
 
 class FixedWidth(VerifyPlanner):
-    """Always draft, verify `drafts` of each row: how the profile measures each width."""
+    """Always draft and verify `drafts` of each row, or (None) never draft: how the profile measures each call."""
 
-    def __init__(self, drafts: int):
+    def __init__(self, drafts: int | None):
         self.drafts, self.since_draft = drafts, 0
 
     def should_draft(self, requests: Sequence[Request]) -> bool:
-        return bool(requests)
+        return bool(requests) and self.drafts is not None
 
     def trim(self, requests: Sequence[Request]) -> None:
         for r in requests:
@@ -162,12 +172,14 @@ def profile_batches(max_batch: int) -> list[int]:
 
 def profile_step_costs(scheduler: Scheduler, repeats: int = REPEATS) -> StepCosts | None:
     """Measure a step's calls on the scheduler's own engine and pools: at each profile batch, that many requests of
-    random prompts decode with a fixed verify width, each width `repeats` times; the medians. Batches that do not
+    random prompts decode with no draft call (steps in a row) and with each fixed verify width in turn, each
+    `repeats` times; the medians.
+    Batches that do not
     fit its memory budget (or max_seq_len) are left to extrapolation; None when not even batch 1 fits. Leaves the
     scheduler as it found it: the requests cancelled, the prefix cache untouched."""
     k = scheduler.mtp
     prompt = min(PROFILE_PROMPT, scheduler.max_seq_len // 4)
-    decoded = repeats * (k + 1) * (k + 2) // 2 + 2           # tokens a request commits while every width is timed
+    decoded = repeats * ((k + 1) * (k + 2) // 2 + 1) + 3     # tokens a request commits while every call is timed
     if scheduler.busy or prompt + decoded + k + 1 > scheduler.max_seq_len:
         return None
     rng = np.random.default_rng(0)
@@ -186,14 +198,17 @@ def profile_step_costs(scheduler: Scheduler, repeats: int = REPEATS) -> StepCost
     if not table:
         return None
     batches = sorted(table)
-    return StepCosts(tuple(batches), tuple(table[b][0] for b in batches), tuple(tuple(table[b][1]) for b in batches))
+    return StepCosts(tuple(batches), *(tuple(table[b][i] for b in batches) for i in range(2)),
+                     tuple(tuple(table[b][2]) for b in batches))
 
 
 def _profile_batch(scheduler: Scheduler, batch: int, prompts: np.ndarray, decoded: int, repeats: int
-                   ) -> tuple[float, list[float]] | None:
-    """(median draft-cycle seconds, median verify seconds per width) at `batch` rows, or None if they do not fit."""
+                   ) -> tuple[float, float, list[float]] | None:
+    """(median plain decode, draft-cycle and verify seconds per width) at `batch` rows, or None if they do not
+    fit."""
     params = SamplingParams(max_new_tokens=decoded, ignore_eos=True, temperature=0.0)
     requests = [scheduler.submit([int(t) for t in p], params) for p in prompts]
+    decode: list[float] = []
     draft: list[float] = []
     verify: list[list[float]] = [[] for _ in range(scheduler.mtp + 1)]
     try:
@@ -201,31 +216,37 @@ def _profile_batch(scheduler: Scheduler, batch: int, prompts: np.ndarray, decode
             scheduler.step()
             if scheduler.waiting or any(r.finish_reason is not None for r in requests):
                 return None                                             # they do not all fit at once
-        for _ in range(repeats):
-            for drafts in range(scheduler.mtp + 1):
-                calls: list[tuple[Call, tuple[int, ...], float]] = []
-                scheduler.planner = FixedWidth(drafts)
-                scheduler.calls.on_call = lambda kind, shape, seconds: calls.append((kind, shape, seconds))
-                scheduler.step()
-                if len(scheduler.active) != batch or any(r.finish_reason is not None for r in requests):
-                    return None
-                draft += [s for kind, shape, s in calls if kind == Call.CYCLE and shape[0] == batch]
-                verify[drafts] += [s for kind, shape, s in calls
-                                   if kind == Call.VERIFY and shape == (batch, drafts + 1)]
+        # plain decodes back to back (as a batch that does not draft runs them; the first, after the prefill, not
+        # kept), then every width in turn
+        plan = [None] * (repeats + 1) + [w for _ in range(repeats) for w in range(scheduler.mtp + 1)]
+        for i, drafts in enumerate(plan):
+            calls: list[tuple[Call, tuple[int, ...], float]] = []
+            scheduler.planner = FixedWidth(drafts)
+            scheduler.calls.on_call = lambda kind, shape, seconds: calls.append((kind, shape, seconds))
+            scheduler.step()
+            if len(scheduler.active) != batch or any(r.finish_reason is not None for r in requests):
+                return None
+            draft += [s for kind, shape, s in calls if kind == Call.CYCLE and shape[0] == batch]
+            timed = [s for kind, shape, s in calls if kind == Call.VERIFY and shape == (batch, (drafts or 0) + 1)]
+            if drafts is None:
+                decode += timed if i else []
+            else:
+                verify[drafts] += timed
     finally:
         for r in requests:
             scheduler.cancel(r)
-    if not draft or not all(verify):
+    if not decode or not draft or not all(verify):
         return None
-    return float(np.median(draft)), [float(np.median(v)) for v in verify]
+    return float(np.median(decode)), float(np.median(draft)), [float(np.median(v)) for v in verify]
 
 
 # ---------------------------------------------------------------------- the record
 def profile_key(engine_dir: Path, options: Any, scheduler: Scheduler) -> str:
-    """What a profile depends on: the engine (its engine.json), the session options, k, max_batch, the machine."""
+    """What a profile depends on: the engine (its engine.json), the session options, k, max_batch, the machine, and
+    how it is measured."""
     digest = hashlib.sha256()
     digest.update((engine_dir / "engine.json").read_bytes())
-    digest.update(repr((options, scheduler.drafter.method, scheduler.mtp, scheduler.max_batch,
+    digest.update(repr((PROFILE_METHOD, options, scheduler.drafter.method, scheduler.mtp, scheduler.max_batch,
                         platform.node(), platform.machine(), os.cpu_count())).encode())
     return digest.hexdigest()[:32]
 

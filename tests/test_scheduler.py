@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from v4engine.contract.backend_options import OnnxRuntimeSessionOptions
+from v4engine.contract.calls import Call
 from v4engine.runtime.budget import Limits
 from v4engine.runtime.generator import Generator
 from v4engine.runtime.sampling import RequestError, SamplingParams
@@ -52,6 +53,30 @@ def test_mixed_phases_in_one_call_and_requests_joining_and_leaving(engine):
     assert mixed_call_seen, "a prefill chunk ran beside verify rows in one target call"
     for i, r in requests:
         assert r.generated == alone[i], f"request {i}"
+
+
+def test_chunks_longer_than_a_verify_run_in_calls_of_their_own(engine):
+    """Beside a 16-token chunk every verify row would be padded to 16 positions; so would every draft cycle beside
+    the drafter's catch-up on a prompt (engine_calls.apart_by_length). The tokens are those of running alone."""
+    solo = Generator.from_engine_dir(engine, mtp=3)
+    ps = prompts(solo.manifest.model.vocab_size, [5, 40])
+    longer = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    alone = [solo.generate([p], longer)[0].token_ids for p in ps]
+
+    gen = Generator.from_engine_dir(engine, mtp=3, limits=Limits(max_prefill_chunk=16))
+    scheduler, calls = gen.scheduler, []
+    first = scheduler.submit(ps[0], longer)
+    while first.phase != Phase.DECODE:
+        scheduler.step()
+    scheduler.calls.on_call = lambda kind, shape, seconds: calls.append((kind, shape))
+    second = scheduler.submit(ps[1], longer)
+    while scheduler.busy:
+        scheduler.step()
+    assert [shape for kind, shape in calls if kind == Call.PREFILL] == [(1, 16), (1, 16), (1, 8)]
+    assert all(shape[0] == 1 for kind, shape in calls if kind in (Call.PREFILL, Call.EXTEND)), \
+        "the drafter's catch-ups on the prompts ran apart from the other row's cycle"
+    assert (Call.VERIFY, (2, 4)) in calls and (Call.CYCLE, (2, 4)) in calls, "decoding together, they share calls"
+    assert [first.generated, second.generated] == alone
 
 
 def test_a_request_holds_a_slot_and_only_the_blocks_its_positions_need(engine):

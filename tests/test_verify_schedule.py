@@ -22,8 +22,9 @@ GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
 
 
 def costs(draft: float, verify_per_token: float, widths: int = 6) -> StepCosts:
-    """A hand-made profile: batches 1 and 8; a verify costs 1 ms plus verify_per_token per row and token."""
-    return StepCosts((1, 8), (draft, 8 * draft),
+    """A hand-made profile: batches 1 and 8; a target call costs 1 ms plus verify_per_token per row and token (a
+    plain decode as a verify of width 1)."""
+    return StepCosts((1, 8), tuple(1e-3 + verify_per_token * b for b in (1, 8)), (draft, 8 * draft),
                      tuple(tuple(1e-3 + verify_per_token * b * w for w in range(1, widths + 1)) for b in (1, 8)))
 
 
@@ -93,15 +94,19 @@ def test_a_recorded_profile_is_read_back_and_a_bad_one_is_measured_again(tmp_pat
     first = recorded_costs("key", 6, measure, tmp_path)
     assert recorded_costs("key", 6, measure, tmp_path) == first and len(measured) == 1
     assert recorded_costs("key", 4, measure, tmp_path) is not None and len(measured) == 2, "another k: measured"
-    for bad in ({"batches": [1], "draft": [float("nan")], "verify": [[1e-3] * 4]},
-                {"batches": [8, 1], "draft": [1e-3, 1e-3], "verify": [[1e-3] * 4] * 2},
-                {"batches": [1], "draft": [-1.0], "verify": [[1e-3] * 4]},
-                {"batches": ["1"], "draft": [1e-3], "verify": [[1e-3] * 4]}, [], "x"):
+    good = {"batches": [1], "decode": [1e-3], "draft": [1e-3], "verify": [[1e-3] * 4]}
+    bad_records = [good | {"draft": [float("nan")]}, good | {"batches": [8, 1], "decode": [1e-3] * 2,
+                                                             "draft": [1e-3] * 2, "verify": [[1e-3] * 4] * 2},
+                   good | {"draft": [-1.0]}, good | {"decode": [0.0]}, good | {"batches": ["1"]},
+                   {k: v for k, v in good.items() if k != "decode"}, [], "x"]
+    for bad in bad_records:
         (tmp_path / "key.json").write_text(json.dumps(bad))
         recorded_costs("key", 4, measure, tmp_path)
     (tmp_path / "key.json").write_bytes(b"\xff not json")
     assert recorded_costs("key", 4, measure, tmp_path) is not None
-    assert len(measured) == 2 + 7, "every bad record was measured again"
+    assert len(measured) == 2 + len(bad_records) + 1, "every bad record was measured again"
+    (tmp_path / "key.json").write_text(json.dumps(good))
+    assert recorded_costs("key", 4, measure, tmp_path) == StepCosts((1,), (1e-3,), (1e-3,), ((1e-3,) * 4,))
 
 
 # ---------------------------------------------------------------------- on an engine
@@ -145,7 +150,7 @@ def test_the_profile_is_measured_once_and_reused_by_the_next_open(dspark_engine,
     Generator.from_engine_dir(dspark_engine, step_costs=tmp_path, limits=Limits(max_batch=4))
     [record] = tmp_path.iterdir()
     profile = StepCosts.from_json(json.loads(record.read_text()), 8)
-    assert profile.batches == (1, 2, 4) and all(s > 0 for s in profile.draft)
+    assert profile.batches == (1, 2, 4) and all(s > 0 for s in profile.draft + profile.decode)
 
     def no_second_profile(scheduler):
         raise AssertionError("profiled again")

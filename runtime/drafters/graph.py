@@ -28,6 +28,7 @@ from v4engine.contract.drafting import DraftSpec
 from v4engine.contract.engine import EngineManifest
 
 from ..cache import SequenceCache
+from ..engine_calls import apart_by_length
 from ..pool_arrays import NUMPY_DTYPES
 from ..sessions import EngineSession
 from .base import Drafter, Proposal
@@ -129,24 +130,32 @@ class GraphDrafter(Drafter):
     # ------------------------------------------------------------------ the draft cycle
     def propose(self, requests: list[Any]) -> float:
         """One draft cycle per request: its newly committed positions and its drafts in one engine call (more only
-        when those are longer than a prefill chunk). Each request keeps its own num_draft_tokens of the graph's k."""
+        when those are longer than a prefill chunk; long catch-ups in calls apart from the others',
+        engine_calls.apart_by_length). Each request keeps its own num_draft_tokens of the graph's k."""
         if not requests:
             return 0.0
-        rows = {r.id: self._catch_up(r) for r in requests}
-        engine, chunk = 0.0, self.chunk
-        groups = self.parts[self.spec.graph].groups
-        for start in range(0, max(len(rows[r.id]) for r in requests), chunk):      # in chunks, as the target
-            batch = [r for r in requests if len(rows[r.id]) > start]
-            parts = [rows[r.id][start: start + chunk] for r in batch]
-            drafting = [len(rows[r.id]) <= start + chunk for r in batch]
-            out, seconds = self._call(batch, parts, drafting)
-            engine += seconds
-            for b, (r, part, last) in enumerate(zip(batch, parts, drafting)):
-                r.draft_state.cache.commit({g.pool: out[g.new][b] for g in groups}, len(part))
-                if last:
-                    r.proposal = self.proposal(r, out, b)
+        rows = [self._catch_up(r) for r in requests]
+        engine = sum(self._cycle([requests[i] for i in group], [rows[i] for i in group])
+                     for group in apart_by_length([len(x) for x in rows], self.graph_k + 1))
         for r in requests:
             r.draft_state.pending = []
+        return engine
+
+    def _cycle(self, requests: list[Any], rows: list[np.ndarray]) -> float:
+        """The draft cycle of these requests, whose catch-ups are `rows`, in prefill-chunk pieces as the target."""
+        engine, chunk = 0.0, self.chunk
+        groups = self.parts[self.spec.graph].groups
+        for start in range(0, max(len(x) for x in rows), chunk):
+            batch = [b for b, x in enumerate(rows) if len(x) > start]
+            parts = [rows[b][start: start + chunk] for b in batch]
+            drafting = [len(rows[b]) <= start + chunk for b in batch]
+            out, seconds = self._call([requests[b] for b in batch], parts, drafting)
+            engine += seconds
+            for i, (b, part, last) in enumerate(zip(batch, parts, drafting)):
+                r = requests[b]
+                r.draft_state.cache.commit({g.pool: out[g.new][i] for g in groups}, len(part))
+                if last:
+                    r.proposal = self.proposal(r, out, i)
         return engine
 
     def _catch_up(self, request: Any) -> np.ndarray:

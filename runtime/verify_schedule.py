@@ -14,6 +14,12 @@ drafting does not pay (a saturated batch whose drafts are rarely kept) the step 
 then (less often while it keeps not paying) a step drafts again to refresh the estimates. The drafter's rings lose
 nothing by a skipped cycle: the next one feeds them every committed position it has not seen.
 
+The profile is a prior: each step of decoding rows alone (no prefill beside them) is timed, and the running ratio
+of its seconds to the profile's, kept apart for drafting steps and plain decodes, scales the profile's costs of
+each kind. A profile recorded while the machine was busier (or quieter), on another day's state of the same
+machine (tiny-v4's decode took 8.4 ms on one day and 4.7 on the next, its verify of 6 1.3 and 1.75 decodes), or
+on random prompts whose experts differ from real text's, is so brought back to what steps cost now.
+
 Lossless by construction: a verify checks every draft it keeps exactly as before; only how many it keeps changes.
 """
 from __future__ import annotations
@@ -38,6 +44,8 @@ from .scheduler import Phase, Request, Scheduler
 
 CACHE_DIR = "V4ENGINE_CACHE_DIR"       # where profiles are recorded (default ~/.cache/v4engine)
 REPEATS = 5                           # timings per (batch, width): the median is kept
+SCALE_RATE = 0.05                     # weight of each step's measured-to-profiled ratio in its running mean
+SCALE_CLIP = (0.25, 4.0)              # a step's ratio is clipped to this (a pause of the host is not a cost)
 PROFILE_PROMPT = 64                   # prompt tokens of the profiling requests
 PROFILE_METHOD = 2                    # how a profile is measured: a record made another way is measured again
 
@@ -100,12 +108,25 @@ class VerifyPlanner:
         self.since_draft = 0                 # steps without a draft call since the last
         self.interval = probe_every          # steps without drafting before a probe: doubles while probes don't pay
         self.typical: np.ndarray | None = None   # the mean survivals of the last draft: a new row's estimate
+        self.width = 0                       # the drafts per row the last drafting step verified
+        self.scale = {True: 1.0, False: 1.0}     # measured / profiled seconds: drafting steps, plain decodes
+
+    def profiled_seconds(self, batch: int, width: int | None) -> float:
+        """The profile's seconds of a step of `batch` decoding rows verifying `width` drafts each (None: no draft
+        call, a plain decode)."""
+        if width is None:
+            return self.costs.decode_at(batch)
+        return self.costs.draft_at(batch) + self.costs.verify_at(batch, width + 1)
+
+    def step_seconds(self, batch: int, width: int | None) -> float:
+        """Expected seconds of such a step: the profile's, scaled by what steps of its kind measured."""
+        return self.profiled_seconds(batch, width) * self.scale[width is not None]
 
     def expected_rate(self, survivals: Sequence[np.ndarray], width: int) -> float:
         """Expected tokens per second of a step that drafts for these rows and verifies `width` drafts of each."""
         B = len(survivals)
         tokens = B + sum(float(s[:width].sum()) for s in survivals)
-        return tokens / (self.costs.draft_at(B) + self.costs.verify_at(B, width + 1))
+        return tokens / self.step_seconds(B, width)
 
     def best_width(self, survivals: Sequence[np.ndarray]) -> int:
         """The drafts per row (0 .. the longest proposal) with the most expected tokens per second."""
@@ -115,7 +136,7 @@ class VerifyPlanner:
     def pays(self, survivals: Sequence[np.ndarray]) -> bool:
         """Whether a step that drafts for these rows beats a plain decode step (B tokens per decode call)."""
         B = len(survivals)
-        return self.expected_rate(survivals, self.best_width(survivals)) > B / self.costs.decode_at(B)
+        return self.expected_rate(survivals, self.best_width(survivals)) > B / self.step_seconds(B, None)
 
     def should_draft(self, requests: Sequence[Request]) -> bool:
         """Whether this step's decoding rows draft: yes when drafting pays by each row's survivals at its last draft (a
@@ -143,10 +164,16 @@ class VerifyPlanner:
             paid = self.pays(survivals)
             self.interval = self.probe_every if paid else min(2 * self.interval, self.probe_at_most_every)
         self.since_draft = 0
-        width = self.best_width(survivals)
+        self.width = self.best_width(survivals)
         for r in requests:
             if r.proposal is not None:
-                r.proposal = r.proposal.trimmed(width)
+                r.proposal = r.proposal.trimmed(self.width)
+
+    def observe(self, batch: int, drafted: bool, seconds: float) -> None:
+        """A step of `batch` decoding rows and nothing else took `seconds` of engine time (drafting at the last
+        width chosen, or not): move the running ratio of its kind toward measured / profiled."""
+        ratio = seconds / self.profiled_seconds(batch, self.width if drafted else None)
+        self.scale[drafted] += SCALE_RATE * (float(np.clip(ratio, *SCALE_CLIP)) - self.scale[drafted])
 
 
 class FixedWidth(VerifyPlanner):
@@ -162,6 +189,9 @@ class FixedWidth(VerifyPlanner):
         for r in requests:
             if r.proposal is not None:
                 r.proposal = r.proposal.trimmed(self.drafts)
+
+    def observe(self, batch: int, drafted: bool, seconds: float) -> None:
+        """The profile measures costs; it has none to correct."""
 
 
 # ---------------------------------------------------------------------- profiling

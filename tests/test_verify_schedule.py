@@ -83,6 +83,20 @@ def test_a_batch_whose_drafts_do_not_pay_skips_the_draft_call_but_probes_again()
     assert all(cheap.should_draft(paying) for _ in range(8))
 
 
+def test_steps_as_measured_correct_a_profile_that_no_longer_holds():
+    """A profile taken on a quieter machine: plain decodes really cost three times what it says. Once steps have
+    measured that, drafting pays where by the profile alone it did not; one slow step is not taken at its word."""
+    planner = VerifyPlanner(costs(draft=2e-3, verify_per_token=1e-3))
+    rows = [survival(np.array([0.5] * 5)) for _ in range(8)]
+    assert not planner.pays(rows)
+    for _ in range(300):
+        planner.observe(8, False, 3 * planner.profiled_seconds(8, None))
+    assert planner.scale[False] == pytest.approx(3, rel=1e-3) and planner.scale[True] == 1.0
+    assert planner.pays(rows)
+    planner.observe(8, True, 1000.0)                 # the host paused: the ratio is clipped, then weighed in
+    assert planner.scale[True] == pytest.approx(1 + verify_schedule.SCALE_RATE * (4 - 1))
+
+
 # ---------------------------------------------------------------------- the record
 def test_a_recorded_profile_is_read_back_and_a_bad_one_is_measured_again(tmp_path):
     measured = []
@@ -130,6 +144,7 @@ def test_greedy_tokens_are_the_same_with_and_without_it_solo_and_batched(dspark_
     assert [r.token_ids for r in on.generate(ps, GREEDY)] == want
     assert [on.generate([p], GREEDY)[0].token_ids for p in ps] == want
     assert on.totals.accepted > 0
+    assert on.scheduler.planner.scale[True] != 1.0, "its steps were timed against the profile"
 
 
 def test_verifies_shrink_where_the_confidence_says_drafts_will_not_survive(dspark_engine):

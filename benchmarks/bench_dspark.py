@@ -270,8 +270,8 @@ def main() -> None:
             tallies, saturated = compare(generators, prompts, batch, temperature, args.new_tokens, args.seed,
                                          calibration, args.rounds)
             kind = "one at a time" if batch == 1 else "a saturated batch"
-            report(tallies, saturated, batch, temperature, f"{len(prompts)} held-out prompts of {args.prompt_tokens} tokens, "
-                   f"{args.new_tokens} new tokens each, {kind}")
+            report(tallies, saturated, batch, temperature, f"{len(prompts)} held-out prompts of "
+                   f"{args.prompt_tokens} tokens, {args.new_tokens} new tokens each, {kind}")
             if temperature == args.temperatures[0]:
                 call_costs(generators, prompts, batch, args.new_tokens, tallies)
             first = first or (tallies, batch, temperature)

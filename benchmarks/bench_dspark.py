@@ -110,7 +110,7 @@ def systems(args: argparse.Namespace, max_batch: int) -> dict[str, Generator]:
 
 
 def compare(generators: dict[str, Generator], prompts: list[list[int]], batch: int, temperature: float,
-            new_tokens: int, seed: int, calibration: CalibrationLog, rounds: int
+            new_tokens: int | list[int], seed: int, calibration: CalibrationLog, rounds: int
             ) -> tuple[dict[str, Tally], dict[str, float]]:
     """Every system on the prompts: at batch 1 one prompt at a time, interleaved; above, all of them as one
     saturated batch (the generators' max_batch), `rounds` times, the systems taking turns; the tallies, and above
@@ -119,11 +119,12 @@ def compare(generators: dict[str, Generator], prompts: list[list[int]], batch: i
     clocks = {name: SaturatedClock(g.scheduler) for name, g in generators.items()} if batch > 1 else {}
     for g in generators.values():
         g.totals = RequestMetrics(mtp=g.scheduler.mtp)
-    groups = [[p] for p in prompts] if batch == 1 else [prompts] * rounds
+    groups = [[i] for i in range(len(prompts))] if batch == 1 else [list(range(len(prompts)))] * rounds
     for group in groups:
         for name, g in generators.items():
             calibration.on = name == "DSpark 5"
-            run_v4engine(g, group, new_tokens, tallies[name], temperature, seed)
+            run_v4engine(g, [prompts[i] for i in group], [new_tokens[i] for i in group], tallies[name],
+                         temperature, seed)
     calibration.on = False
     for clock in clocks.values():
         clock.detach()
@@ -146,7 +147,7 @@ def report(tallies: dict[str, Tally], saturated: dict[str, float], batch: int, t
     return rates
 
 
-def call_costs(generators: dict[str, Generator], prompts: list[list[int]], batch: int, new_tokens: int,
+def call_costs(generators: dict[str, Generator], prompts: list[list[int]], batch: int, new_tokens: int | list[int],
                tallies: dict[str, Tally]) -> None:
     """Per-call medians in decodes (calls of `batch` rows: at batch 1, four prompts; above, a saturated run over
     all of them), and the bound each drafter's calls set at its acceptance length."""
@@ -155,7 +156,7 @@ def call_costs(generators: dict[str, Generator], prompts: list[list[int]], batch
         clocks[name] = CallClock(generators[name].scheduler.mtp, rows=batch)
         generators[name].scheduler.calls.on_call = clocks[name]
         for group in ([p] for p in prompts[:4]) if batch == 1 else [prompts]:
-            run_v4engine(generators[name], group, new_tokens, Tally())
+            run_v4engine(generators[name], group, new_tokens if batch > 1 else new_tokens[0], Tally())
         generators[name].scheduler.calls.on_call = None
     unit = clocks["MTP 0"].median("decode")
     print(f"### per-call costs at batch {batch} (medians, in decodes) and the bound they set\n")
@@ -250,6 +251,9 @@ def main() -> None:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="0: greedy; above 0 sampled")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vary-new-tokens", action="store_true",
+                   help="each request's new tokens drawn from new-tokens/2 .. 3 new-tokens/2 (the same draws for "
+                        "every system), as a server's requests end apart; default: new-tokens each")
     p.add_argument("--rounds", type=int, default=3,
                    help="above batch 1: times each system runs the saturated batch, the systems taking turns")
     p.add_argument("--plot", type=Path, default=ROOT / "benchmarks" / "dspark.png", help="the PNG written")
@@ -260,6 +264,12 @@ def main() -> None:
         return
     prompts = held_out_prompts(args.checkpoint / "tokenizer.json", args.prompts, args.prompt_tokens,
                                args.new_tokens, args.seed)
+    lengths = [args.new_tokens] * len(prompts)
+    new_tokens = f"{args.new_tokens} new tokens each"
+    if args.vary_new_tokens:
+        lengths = [int(n) for n in np.random.default_rng(args.seed).integers(args.new_tokens // 2,
+                                                                            3 * args.new_tokens // 2 + 1, len(prompts))]
+        new_tokens = f"{args.new_tokens // 2}-{3 * args.new_tokens // 2} new tokens ({sum(lengths)} in all)"
     calibration = CalibrationLog()
     first = None
     for batch in args.batch_sizes:
@@ -267,13 +277,13 @@ def main() -> None:
         for g in generators.values():                        # warm up every system once, untimed
             run_v4engine(g, prompts[:batch], 8, Tally())
         for temperature in args.temperatures:
-            tallies, saturated = compare(generators, prompts, batch, temperature, args.new_tokens, args.seed,
+            tallies, saturated = compare(generators, prompts, batch, temperature, lengths, args.seed,
                                          calibration, args.rounds)
             kind = "one at a time" if batch == 1 else "a saturated batch"
             report(tallies, saturated, batch, temperature, f"{len(prompts)} held-out prompts of "
-                   f"{args.prompt_tokens} tokens, {args.new_tokens} new tokens each, {kind}")
+                   f"{args.prompt_tokens} tokens, {new_tokens}, {kind}")
             if temperature == args.temperatures[0]:
-                call_costs(generators, prompts, batch, args.new_tokens, tallies)
+                call_costs(generators, prompts, batch, lengths, tallies)
             first = first or (tallies, batch, temperature)
         del generators
     tallies, batch, temperature = first

@@ -100,10 +100,12 @@ def run_transformers(model, prompt: list[int], new_tokens: int, tally: Tally) ->
     tally.tokens += len(tally.outputs[-1])
 
 
-def run_v4engine(generator: Generator, prompts: list[list[int]], new_tokens: int, tally: Tally,
+def run_v4engine(generator: Generator, prompts: list[list[int]], new_tokens: int | list[int], tally: Tally,
                  temperature: float = 0.0, seed: int = 0) -> None:
-    """Generate for the prompts as one batch; acceptance and engine time accumulate in `generator.totals`."""
-    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, temperature=temperature, seed=seed)
+    """Generate for the prompts as one batch (new_tokens: for all, or one per prompt); acceptance and engine time
+    accumulate in `generator.totals`."""
+    lengths = new_tokens if isinstance(new_tokens, list) else [new_tokens] * len(prompts)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True, temperature=temperature, seed=seed) for n in lengths]
     started = time.perf_counter()
     results = generator.generate(prompts, params)
     tally.seconds += time.perf_counter() - started

@@ -70,7 +70,7 @@ def test_trim_keeps_the_best_prefix_of_every_row_and_records_the_survivals():
 
 
 def test_a_batch_whose_drafts_do_not_pay_skips_the_draft_call_but_probes_again():
-    planner = VerifyPlanner(costs(draft=5e-3, verify_per_token=1e-3), probe_every=4)
+    planner = VerifyPlanner(costs(draft=1e-4, verify_per_token=1e-3), probe_every=4)
     rows = [row([0.1] * 5) for _ in range(8)]
     assert planner.should_draft(rows), "a row never drafted drafts"
     planner.trim(rows)                     # that draft did not pay: the next probe waits twice probe_every
@@ -81,6 +81,8 @@ def test_a_batch_whose_drafts_do_not_pay_skips_the_draft_call_but_probes_again()
     cheap = VerifyPlanner(costs(draft=1e-5, verify_per_token=1e-5))
     cheap.trim(paying)
     assert all(cheap.should_draft(paying) for _ in range(8))
+    planner.trim(paying)                   # a probe that paid (by chance, say): half the interval, not probe_every
+    assert planner.interval == 8
 
 
 def test_steps_as_measured_correct_a_profile_that_no_longer_holds():

@@ -16,8 +16,8 @@ nothing by a skipped cycle: the next one feeds them every committed position it 
 
 The profile is a prior: each step of decoding rows alone (no prefill beside them) is timed, and the running ratio
 of its seconds to the profile's, kept apart for drafting steps and plain decodes, scales the profile's costs of
-each kind. A profile recorded while the machine was busier (or quieter), on another day's state of the same
-machine (tiny-v4's decode took 8.4 ms on one day and 4.7 on the next, its verify of 6 1.3 and 1.75 decodes), or
+each kind. A profile recorded while the machine was busier (or quieter), in another state of the same machine
+(tiny-v4's decode took 8.4 ms in one session here and 4.4-5.5 in the next, its verify of 6 1.3 and 1.9 decodes), or
 on random prompts whose experts differ from real text's, is so brought back to what steps cost now.
 
 Lossless by construction: a verify checks every draft it keeps exactly as before; only how many it keeps changes.

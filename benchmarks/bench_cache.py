@@ -143,8 +143,10 @@ def main() -> None:
                    help="`host` also with the pools as torch tensors bound through IOBinding (on the CPU here)")
     p.add_argument("--on", choices=["tiny", "slice"], default="tiny",
                    help="`prefix` and `memory` on examples/tiny-v4 or on the slice (built first when missing)")
-    p.add_argument("--prefix-tokens", type=int, default=2048)
-    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--prefix-tokens", type=int, default=2048,
+                   help="`prefix`: tokens of the prompt the requests share (default 2048)")
+    p.add_argument("--requests", type=int, default=16,
+                   help="`prefix` and `memory`: requests sent, one after another (default 16)")
     args = p.parse_args()
     if "host" in args.what:
         engine = args.engine or slice_engine(args.slice, args.work)

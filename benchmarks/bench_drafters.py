@@ -26,9 +26,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     prompt_arguments(p)
     p.add_argument("--work", type=Path, default=Path("/tmp/bench-generate"), help="engine folder")
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8], help="batch sizes measured (default 1 8)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; above 0 sampled")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampled requests (default 0)")
     args = p.parse_args()
     engine = built_engine(args.checkpoint, args.work)
     prompts = held_out_prompts(args.checkpoint / "tokenizer.json", args.prompts, args.prompt_tokens,

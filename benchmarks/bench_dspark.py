@@ -248,9 +248,11 @@ def main() -> None:
     p.add_argument("--dspark", type=Path, default=DSPARK,
                    help="the DSpark checkpoint (the same target as --checkpoint with its DSpark drafter)")
     p.add_argument("--work", type=Path, default=Path("/tmp/bench-dspark"), help="engine folder (reused)")
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8],
+                   help="batch sizes measured; above 1 a saturated batch (default 1 8)")
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="0: greedy; above 0 sampled")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the sampled requests and of --vary-new-tokens' draws (default 0)")
     p.add_argument("--vary-new-tokens", action="store_true",
                    help="each request's new tokens drawn from new-tokens/2 .. 3 new-tokens/2 (the same draws for "
                         "every system), as a server's requests end apart; default: new-tokens each")

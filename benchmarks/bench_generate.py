@@ -179,19 +179,22 @@ def table(title: str, rows: dict[str, dict]) -> str:
 
 def prompt_arguments(p: argparse.ArgumentParser) -> None:
     """The checkpoint and the held-out prompts: what every generation benchmark takes."""
-    p.add_argument("--checkpoint", type=Path, default=ROOT / "examples" / "tiny-v4")
-    p.add_argument("--prompts", type=int, default=8, help="held-out prompts")
-    p.add_argument("--prompt-tokens", type=int, default=128)
-    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--checkpoint", type=Path, default=ROOT / "examples" / "tiny-v4",
+                   help="the checkpoint built and measured; its held-out files give the prompts "
+                        "(default examples/tiny-v4)")
+    p.add_argument("--prompts", type=int, default=8, help="held-out prompts (default 8)")
+    p.add_argument("--prompt-tokens", type=int, default=128, help="tokens of each prompt (default 128)")
+    p.add_argument("--new-tokens", type=int, default=64, help="new tokens of each request (default 64)")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     prompt_arguments(p)
     p.add_argument("--work", type=Path, default=Path("/tmp/bench-generate"), help="engine and transformers copy")
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16],
+                   help="batch sizes measured (default 1 4 16)")
     p.add_argument("--threads", type=int, default=2, help="intra-op threads for both ONNX Runtime and torch")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampled requests (default 0)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="v4engine's sampling temperature (default 0: greedy); above 0 drafts are sampled and "
                         "verified by rejection sampling, and transformers does not run")

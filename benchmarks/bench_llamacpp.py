@@ -232,9 +232,9 @@ def child(python: Path | str, script: str, *args: object) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--work", type=Path, required=True, help="checkpoint, engine, llama.cpp build and GGUF go here")
-    p.add_argument("--prompts", type=int, default=3)
-    p.add_argument("--prompt-tokens", type=int, default=200)
-    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--prompts", type=int, default=3, help="random prompts, each run by every system (default 3)")
+    p.add_argument("--prompt-tokens", type=int, default=200, help="tokens of each prompt (default 200)")
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens decoded per prompt (default 64)")
     p.add_argument("--threads", type=int, default=2, help="threads of each system")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are reported")
     p.add_argument("--repack", action="store_true",

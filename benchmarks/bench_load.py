@@ -74,7 +74,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--work", type=Path, required=True, help="folder for the checkpoint and the engines")
     p.add_argument("--baseline", default=None, help="PYTHONPATH holding the other runtime's v4engine package")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3, help="loads of each engine, the runtimes taking turns (default 3)")
     args = p.parse_args()
     from v4engine.builder.tiny import random_model, save_checkpoint
     from v4engine.builder.tiny import TINY_CONFIGS

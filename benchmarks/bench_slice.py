@@ -43,13 +43,16 @@ def node_counts(engine: Path) -> dict[str, collections.Counter]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--checkpoint", type=Path, default=Path("/work/scratch/slice"), help="made here if missing")
-    p.add_argument("--work", type=Path, default=Path("/work/scratch/bench-slice"), help="engine, transformers copy")
-    p.add_argument("--prompts", type=int, default=3)
-    p.add_argument("--prompt-tokens", type=int, default=200)
-    p.add_argument("--new-tokens", type=int, default=33)
+    p.add_argument("--checkpoint", type=Path, default=Path("/tmp/bench-slice/slice"),
+                   help="the wide slice, made here by make-tiny --config slice if missing "
+                        "(default /tmp/bench-slice/slice)")
+    p.add_argument("--work", type=Path, default=Path("/tmp/bench-slice"),
+                   help="the engine and transformers' copy go here (default /tmp/bench-slice)")
+    p.add_argument("--prompts", type=int, default=3, help="random prompts (default 3)")
+    p.add_argument("--prompt-tokens", type=int, default=200, help="tokens of each prompt (default 200)")
+    p.add_argument("--new-tokens", type=int, default=33, help="tokens decoded per prompt (default 33)")
     p.add_argument("--threads", type=int, default=2, help="intra-op threads for both ONNX Runtime and torch")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default 0)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if not (args.checkpoint / "config.json").is_file():

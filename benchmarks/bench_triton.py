@@ -81,11 +81,13 @@ def burst(server, prompts: list[str], max_tokens: int) -> tuple[list[float], flo
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engine", type=Path, help="an engine directory (default: build --checkpoint into --work)")
-    p.add_argument("--checkpoint", type=Path, default=ROOT / "examples" / "tiny-v4")
+    p.add_argument("--checkpoint", type=Path, default=ROOT / "examples" / "tiny-v4",
+                   help="built into --work when --engine is not given (default examples/tiny-v4)")
     p.add_argument("--env", type=Path, default=ROOT / ".venv-triton", help="the serving environment")
-    p.add_argument("--work", type=Path, default=Path("/tmp/bench-triton"))
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--work", type=Path, default=Path("/tmp/bench-triton"),
+                   help="the engine, the model repository and the server's files (default /tmp/bench-triton)")
+    p.add_argument("--rounds", type=int, default=5, help="bursts of --concurrent streams measured (default 5)")
+    p.add_argument("--max-tokens", type=int, default=64, help="max_tokens of every request (default 64)")
     p.add_argument("--concurrent", type=int, default=8, help="streams per burst (at most the repository's max_batch)")
     args = p.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)

@@ -226,16 +226,17 @@ def generate_rss(server: TritonServer) -> int:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engine", type=Path, help="an engine directory (default: build examples/tiny-v4 into --work)")
-    p.add_argument("--requests", type=int, default=2000)
-    p.add_argument("--concurrency", type=int, default=50)
+    p.add_argument("--requests", type=int, default=2000, help="requests sent in all (default 2000)")
+    p.add_argument("--concurrency", type=int, default=50, help="requests in flight at once (default 50)")
     p.add_argument("--max-tokens", type=int, default=16, help="at most this many new tokens per request run to its end")
     p.add_argument("--long-tokens", type=int, default=256, help="max_tokens of the requests that are cut")
     p.add_argument("--warmup", type=int, default=100, help="requests before the first RSS reading")
     p.add_argument("--kill-restarts", type=int, default=2, help="servers started by serve.py and killed with SIGKILL "
                    "under load before the last one (0: one server, started in this process)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the requests' prompts, lengths and cuts (default 0)")
     p.add_argument("--env", type=Path, default=ROOT / ".venv-triton", help="the serving environment")
-    p.add_argument("--work", type=Path, default=Path("/tmp/soak-triton"))
+    p.add_argument("--work", type=Path, default=Path("/tmp/soak-triton"),
+                   help="the engine, the model repository and the server's files (default /tmp/soak-triton)")
     args = p.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     engine = args.engine or built_engine(ROOT / "examples" / "tiny-v4", args.work)

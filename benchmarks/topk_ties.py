@@ -92,7 +92,7 @@ def log_probs(model, ids: list[int], sites, hook) -> torch.Tensor:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("run", type=Path, help="JSON written by bench_llamacpp --save")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2, help="torch threads of transformers' forward (default 2)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     saved = json.loads(args.run.read_text())

@@ -101,6 +101,21 @@ def test_help_explains_every_flag():
         assert all(flag in result.stdout for flag in flags)
 
 
+def test_every_flag_of_every_command_and_script_says_what_it_does():
+    """Read from the source, so a benchmark or example script no test runs is held to it too: each
+    `add_argument` names a help text (argparse prints a flag without one as its bare name)."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1]
+    sources = [p for p in root.rglob("*.py")
+               if not any(part.startswith(".") or part == "tests" for part in p.relative_to(root).parts)]
+    silent = [f"{path.relative_to(root)}:{node.lineno}"
+              for path in sources for node in ast.walk(ast.parse(path.read_text()))
+              if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument"
+              and "help" not in {k.arg for k in node.keywords}]
+    assert len(sources) > 100 and not silent, silent
+
+
 @pytest.mark.parametrize("config", ["mixed", "flash_like", "slice"])
 def test_make_tinys_tokenizer_holds_every_id_the_model_can_write(config):
     """Ids past the characters are reserved special tokens: the engine's postprocessing and every decoder take

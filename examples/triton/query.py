@@ -19,8 +19,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def main() -> None:
     p = argparse.ArgumentParser(description="Query the v4engine ensemble served by serve.py.")
-    p.add_argument("prompt", nargs="?", default="def fibonacci(n):")
-    p.add_argument("--server", type=Path, default=ROOT / "out" / "triton" / "server.json")
+    p.add_argument("prompt", nargs="?", default="def fibonacci(n):", help="the text continued (default: %(default)r)")
+    p.add_argument("--server", type=Path, default=ROOT / "out" / "triton" / "server.json",
+                   help="the server.json serve.py wrote, which names its ports (default out/triton/server.json)")
     args = p.parse_args()
     urls = json.loads(args.server.read_text())
     body = {"text_input": args.prompt, "max_tokens": 48}

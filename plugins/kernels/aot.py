@@ -80,8 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m v4engine.plugins.kernels.aot", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--targets", nargs="+", required=True,
-                        choices=list(TARGETS))
-    parser.add_argument("--size", nargs="+", choices=list(SIZES), default=list(SIZES))
+                        choices=list(TARGETS), help="the GPU targets compiled for")
+    parser.add_argument("--size", nargs="+", choices=list(SIZES), default=list(SIZES),
+                        help="the model widths whose kernels are compiled (default: all)")
     parser.add_argument("--out", type=Path, help="write the PTX to OUT/target/size/op/kernel.ptx")
     parser.add_argument("--json", action="store_true", help="print the rows as a JSON list instead of a table")
     args = parser.parse_args(argv)

@@ -18,7 +18,8 @@ W2 at zero (no correction), so the first steps already draft something.
 With --distill, part of each batch is the target's own text instead of the corpus's: continuations it generated
 (half greedy, half drawn at T = 1) from prompts cut out of the training files, so the drafter also learns the text
 it drafts at generation time (the held-out files stay held out; their continuations only measure). --init-from
-starts the stages from a shipped DSpark drafter instead of the MTP block, for a second run after a first.
+starts the stages from a shipped DSpark drafter instead of the MTP block, for a second run after a first; a drafter
+of lower Markov rank is widened to --markov-rank first (new W2 columns at zero, so it drafts exactly as before).
 
 The script is seeded, logs progress, resumes from WORK/state.pt, stops after --minutes, then writes the 0731
 layout to --output: tiny-v4's target shard byte for byte (so git stores it once), the drafter under mtp.0..2 in a
@@ -79,6 +80,24 @@ def dspark_for(target: Transformer, raw: dict, seed: int) -> DSpark:
     drafter.embed.requires_grad_(False)
     drafter.head.requires_grad_(False)
     return drafter
+
+
+@torch.no_grad()
+def widened_markov(weights: dict[str, torch.Tensor], drafter: DSpark) -> dict[str, torch.Tensor]:
+    """A trained drafter's mtp.* weights with its Markov head widened to `drafter`'s rank, drafting exactly as
+    before: the new columns of W1 (and of the confidence head's view of them) start as `drafter`'s fresh ones,
+    the new columns of W2 and of the confidence projection at zero, so they add nothing until trained."""
+    fresh = drafter.state_dict()
+    out = dict(weights)
+    for name, w in weights.items():
+        grown = fresh.get(name)
+        if grown is None or grown.shape == w.shape or grown.dim() != w.dim():
+            continue
+        start = torch.zeros_like(grown) if name.endswith(("markov_w2.weight", "confidence_head.proj.weight")) \
+            else grown.clone()
+        start[tuple(slice(0, n) for n in w.shape)] = w
+        out[name] = start
+    return out
 
 
 @torch.no_grad()
@@ -251,12 +270,16 @@ def main() -> None:
         except V4EngineError as e:              # not a checkpoint, not a DSpark one: one line
             raise SystemExit(f"--init-from: {e}") from None
         mtp_only = {k: v for k, v in start.state_dict().items() if k.startswith("mtp.")}
+        rank = start.dspark.markov_rank
+        if rank < args.markov_rank:
+            mtp_only = widened_markov(mtp_only, drafter)
         if {k: v.shape for k, v in mtp_only.items()} != {k: v.shape for k, v in drafter.state_dict().items()
                                                           if k.startswith("mtp.")}:
             raise SystemExit(f"--init-from {args.init_from}: its drafter's tensors are not those of a tiny-v4 "
-                             f"drafter with --markov-rank {args.markov_rank}")
+                             f"drafter with --markov-rank {args.markov_rank} or less")
         drafter.load_state_dict(mtp_only, strict=False)
-        say(f"drafter started from {args.init_from}")
+        say(f"drafter started from {args.init_from}" + (f" (Markov rank {rank} widened to {args.markov_rank})"
+                                                        if rank < args.markov_rank else ""))
     generated = round(args.batch * args.distill)
     pool = held_pool = None
     if generated:

@@ -1,0 +1,36 @@
+"""examples/train_dspark.py: a second run may widen a shipped drafter's Markov head without changing its drafts."""
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import torch
+from conftest import TRAINED, TRAINED_DSPARK
+
+from v4engine.builder.load import load_dspark, load_model
+from v4engine.builder.tiny import dspark_config
+
+sys.path.insert(0, str(TRAINED.parent))
+import train_dspark  # noqa: E402  (an example script, importable from its folder)
+
+
+def test_a_drafter_widened_to_a_higher_markov_rank_drafts_exactly_as_before():
+    target = load_model(TRAINED, mtp=True).requires_grad_(False)
+    shipped = load_dspark(TRAINED_DSPARK)
+    rank = shipped.dspark.markov_rank
+    wide = train_dspark.dspark_for(target, dspark_config(json.loads((TRAINED / "config.json").read_text()),
+                                                         4 * rank), seed=0)
+    with torch.no_grad():                       # whatever the fresh drafter holds, the new columns add nothing
+        wide.mtp[-1].markov_head.markov_w2.weight.normal_()
+        wide.mtp[-1].confidence_head.proj.weight.normal_()
+    weights = {k: v for k, v in shipped.state_dict().items() if k.startswith("mtp.")}
+    wide.load_state_dict(train_dspark.widened_markov(weights, wide), strict=False)
+    assert wide.mtp[-1].markov_head.markov_w2.weight.shape[-1] == 4 * rank
+
+    batch = torch.randint(0, target.embed.weight.shape[0], (2, 64))
+    with torch.no_grad():
+        before = train_dspark.block_losses(target, shipped, batch, 4, np.random.default_rng(0))
+        after = train_dspark.block_losses(target, wide, batch, 4, np.random.default_rng(0))
+    for name in before:
+        torch.testing.assert_close(after[name], before[name], rtol=0, atol=1e-6, msg=name)

@@ -91,7 +91,7 @@ def widened_markov(weights: dict[str, torch.Tensor], drafter: DSpark) -> dict[st
     out = dict(weights)
     for name, w in weights.items():
         grown = fresh.get(name)
-        if grown is None or grown.shape == w.shape or grown.dim() != w.dim():
+        if grown is None or grown.shape == w.shape:
             continue
         start = torch.zeros_like(grown) if name.endswith(("markov_w2.weight", "confidence_head.proj.weight")) \
             else grown.clone()

@@ -1,8 +1,10 @@
 """examples/train_dspark.py: a second run may widen a shipped drafter's Markov head without changing its drafts."""
 from __future__ import annotations
 
+import importlib
 import json
 import sys
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -11,8 +13,18 @@ from conftest import TRAINED, TRAINED_DSPARK
 from v4engine.builder.load import load_dspark, load_model
 from v4engine.builder.tiny import dspark_config
 
-sys.path.insert(0, str(TRAINED.parent))
-import train_dspark  # noqa: E402  (an example script, importable from its folder)
+
+def example_script(name: str) -> ModuleType:
+    """An example script imported from its folder, which leaves sys.path as it was (examples/triton must not
+    shadow anything for the rest of the worker)."""
+    sys.path.insert(0, str(TRAINED.parent))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(TRAINED.parent))
+
+
+train_dspark = example_script("train_dspark")
 
 
 def test_a_drafter_widened_to_a_higher_markov_rank_drafts_exactly_as_before():

@@ -10,7 +10,9 @@ max_batch B with the rest waiting for a free row (a server's batch under load: a
 next, so no row idles while a slower request of its group finishes), `--rounds` times in turn; its tokens/s over the
 whole run and over its full steps (B rows in the step: the end of a finite run, where rows empty one by one, left
 out). For each batch size and temperature: tokens/s and the ratio to MTP 0, mean acceptance length, per-position
-acceptance, and whether greedy tokens equal MTP 0's; then, at the first temperature, the per-call costs in decodes
+acceptance, and whether greedy tokens equal MTP 0's; each drafter's mean acceptance length with a 95% interval over
+the prompts and its difference from MTP 3's, the prompts paired (`--draws`: each prompt sampled several times at
+batch 1, which a T = 1 comparison needs); then, at the first temperature, the per-call costs in decodes
 (verify of N + 1, one draft cycle; at batch B, the calls of B rows) and the bound they set (mean acceptance length /
 (verify + draft)); the confidence head's calibration on DSpark 5 (predicted survival, the running product of the
 confidences, against observed acceptance, per position and in bins); and a PNG of acceptance per position and the
@@ -20,6 +22,7 @@ calibration curve.
 MTP 3 against DSpark 5, so the cost of three stages with their own MoE is known at width.
 
     .venv/bin/python -m benchmarks.bench_dspark [--work /tmp/bench-dspark] [--batch-sizes 1 8] [--temperatures 0 1]
+    .venv/bin/python -m benchmarks.bench_dspark --prompts 24 --batch-sizes 1 --temperatures 1 --draws 4
     .venv/bin/python -m benchmarks.bench_dspark --slice [--work /tmp/bench-dspark-slice]
 """
 from __future__ import annotations
@@ -110,25 +113,68 @@ def systems(args: argparse.Namespace, max_batch: int) -> dict[str, Generator]:
 
 
 def compare(generators: dict[str, Generator], prompts: list[list[int]], batch: int, temperature: float,
-            new_tokens: int | list[int], seed: int, calibration: CalibrationLog, rounds: int
-            ) -> tuple[dict[str, Tally], dict[str, float]]:
-    """Every system on the prompts: at batch 1 one prompt at a time, interleaved; above, all of them as one
-    saturated batch (the generators' max_batch), `rounds` times, the systems taking turns; the tallies, and above
-    batch 1 each system's tokens/s over its full steps (SaturatedClock)."""
+            new_tokens: int | list[int], seed: int, calibration: CalibrationLog, rounds: int, draws: int
+            ) -> tuple[dict[str, Tally], dict[str, float], list[int]]:
+    """Every system on the prompts: at batch 1 one prompt at a time, interleaved (sampled: each prompt `draws`
+    times, seeded seed, seed + 1, ...); above, all of them as one saturated batch (the generators' max_batch),
+    `rounds` times, the systems taking turns. The tallies; above batch 1 each system's tokens/s over its full steps
+    (SaturatedClock); and the prompt of each request, in the order the tallies hold them."""
     tallies = {name: Tally() for name in generators}
     clocks = {name: SaturatedClock(g.scheduler) for name, g in generators.items()} if batch > 1 else {}
     for g in generators.values():
         g.totals = RequestMetrics(mtp=g.scheduler.mtp)
-    groups = [[i] for i in range(len(prompts))] if batch == 1 else [list(range(len(prompts)))] * rounds
-    for group in groups:
+    if batch == 1:
+        groups = [([i], seed + d) for i in range(len(prompts)) for d in range(draws if temperature > 0 else 1)]
+    else:
+        groups = [(list(range(len(prompts))), seed)] * rounds
+    for group, group_seed in groups:
         for name, g in generators.items():
             calibration.on = name == "DSpark 5"
             run_v4engine(g, [prompts[i] for i in group], [new_tokens[i] for i in group], tallies[name],
-                         temperature, seed)
+                         temperature, group_seed)
     calibration.on = False
     for clock in clocks.values():
         clock.detach()
-    return tallies, {name: clock.tokens / clock.seconds for name, clock in clocks.items()}
+    owners = [i for group, _ in groups for i in group]
+    return tallies, {name: clock.tokens / clock.seconds for name, clock in clocks.items()}, owners
+
+
+def acceptance_intervals(tallies: dict[str, Tally], owners: list[int], baseline: str = "MTP 3",
+                         resamples: int = 2000, seed: int = 0) -> dict[str, tuple[float, float, float, float, float]]:
+    """Each drafting system's mean acceptance length with a 95% bootstrap interval over prompts (a prompt's requests
+    resampled together), and its difference from `baseline` with the same prompts drawn for both: a prompt's
+    difficulty moves every system alike, so the paired difference is tighter than the two intervals suggest.
+    By system: (length, low, high, difference, its low, its high)."""
+    owners_ = np.asarray(owners)
+    count = int(owners_.max()) + 1
+    picks = np.random.default_rng(seed).integers(0, count, (resamples, count))     # [resamples, prompts]
+
+    def per_prompt(tally: Tally) -> np.ndarray:                                       # [prompts, 2]
+        steps, accepted = np.asarray(tally.verifies, float).T
+        return np.stack([np.bincount(owners_, steps, count), np.bincount(owners_, accepted, count)], axis=1)
+
+    def length(sums: np.ndarray) -> np.ndarray:                                       # [..., 2] -> [...]
+        return 1 + sums[..., 1] / sums[..., 0]
+
+    sums = {name: per_prompt(t) for name, t in tallies.items() if t.metrics is not None and t.metrics.mtp}
+    boot = {name: length(s[picks].sum(axis=1)) for name, s in sums.items()}           # [resamples]
+    out = {}
+    for name, s in sums.items():
+        difference = boot[name] - boot[baseline]
+        out[name] = (float(length(s.sum(axis=0))), *np.percentile(boot[name], [2.5, 97.5]),
+                     float(length(s.sum(axis=0)) - length(sums[baseline].sum(axis=0))),
+                     *np.percentile(difference, [2.5, 97.5]))
+    return out
+
+
+def interval_table(tallies: dict[str, Tally], owners: list[int]) -> None:
+    intervals = acceptance_intervals(tallies, owners)
+    print(f"mean acceptance length, 95% intervals over the {max(owners) + 1} prompts (bootstrap, "
+          f"{len(owners) // (max(owners) + 1)} requests each):\n")
+    print("| system | mean acc. length | 95% interval | minus MTP 3 | 95% interval |\n|---|---|---|---|---|")
+    for name, (mal, low, high, diff, dlow, dhigh) in intervals.items():
+        print(f"| {name} | {mal:.2f} | {low:.2f} - {high:.2f} | {diff:+.2f} | {dlow:+.2f} - {dhigh:+.2f} |")
+    print()
 
 
 def report(tallies: dict[str, Tally], saturated: dict[str, float], batch: int, temperature: float, groups: str
@@ -256,11 +302,16 @@ def main() -> None:
     p.add_argument("--vary-new-tokens", action="store_true",
                    help="each request's new tokens drawn from new-tokens/2 .. 3 new-tokens/2 (the same draws for "
                         "every system), as a server's requests end apart; default: new-tokens each")
+    p.add_argument("--draws", type=int, default=1,
+                   help="at batch 1 and a temperature above 0, requests per prompt (seeded seed, seed + 1, ...): "
+                        "one draw's mean acceptance length moves by about 0.3 over 24 prompts at T = 1 (default 1)")
     p.add_argument("--rounds", type=int, default=3,
                    help="above batch 1: times each system runs the saturated batch, the systems taking turns")
     p.add_argument("--plot", type=Path, default=ROOT / "benchmarks" / "dspark.png", help="the PNG written")
     p.add_argument("--slice", action="store_true", help="call costs on the wide slice instead (random weights)")
     args = p.parse_args()
+    if args.draws < 1:
+        p.error(f"--draws must be at least 1, not {args.draws}")
     if args.slice:
         slice_costs(args.work, args.prompt_tokens, args.batch_sizes)
         return
@@ -279,11 +330,13 @@ def main() -> None:
         for g in generators.values():                        # warm up every system once, untimed
             run_v4engine(g, prompts[:batch], 8, Tally())
         for temperature in args.temperatures:
-            tallies, saturated = compare(generators, prompts, batch, temperature, lengths, args.seed,
-                                         calibration, args.rounds)
+            tallies, saturated, owners = compare(generators, prompts, batch, temperature, lengths, args.seed,
+                                                 calibration, args.rounds, args.draws)
             kind = "one at a time" if batch == 1 else "a saturated batch"
+            drawn = f", {args.draws} draws each" if batch == 1 and temperature > 0 and args.draws > 1 else ""
             report(tallies, saturated, batch, temperature, f"{len(prompts)} held-out prompts of "
-                   f"{args.prompt_tokens} tokens, {new_tokens}, {kind}")
+                   f"{args.prompt_tokens} tokens, {new_tokens}, {kind}{drawn}")
+            interval_table(tallies, owners)
             if temperature == args.temperatures[0]:
                 call_costs(generators, prompts, batch, lengths, tallies)
             first = first or (tallies, batch, temperature)

@@ -76,6 +76,7 @@ class Tally:
     ttft: list[float] = field(default_factory=list)
     outputs: list[list[int]] = field(default_factory=list)
     metrics: RequestMetrics | None = None
+    verifies: list[tuple[int, int]] = field(default_factory=list)   # per request: (verify steps, drafts accepted)
 
     def row(self) -> dict:
         m = self.metrics
@@ -113,6 +114,8 @@ def run_v4engine(generator: Generator, prompts: list[list[int]], new_tokens: int
         tally.ttft.append(result.metrics["time_to_first_token"])
         tally.outputs.append(result.token_ids)
         tally.tokens += len(result.token_ids)
+        accepted = result.metrics.get("accepted_per_step", [])
+        tally.verifies.append((len(accepted), sum(accepted)))
     tally.metrics = generator.totals
 
 

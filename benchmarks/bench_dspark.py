@@ -174,7 +174,8 @@ def interval_table(tallies: dict[str, Tally], owners: list[int]) -> None:
     print("| system | mean acc. length | 95% interval | minus MTP 3 | 95% interval |\n|---|---|---|---|---|")
     for name, (mal, low, high, diff, dlow, dhigh) in intervals.items():
         print(f"| {name} | {mal:.2f} | {low:.2f} - {high:.2f} | {diff:+.2f} | {dlow:+.2f} - {dhigh:+.2f} |")
-    print()
+    print("\n(a scheduled drafter's length counts the steps that verified a draft, not those it decoded plainly: "
+          "compare its tokens/s)\n")
 
 
 def report(tallies: dict[str, Tally], saturated: dict[str, float], batch: int, temperature: float, groups: str

@@ -16,8 +16,8 @@ weighted by exp(-(k-1)/N). The stages start from tiny-v4's trained MTP block (th
 W2 at zero (no correction), so the first steps already draft something.
 
 With --distill, part of each batch is the target's own text instead of the corpus's: continuations it generated
-(half greedy, half drawn at T = 1) from prompts cut out of the training files, so the drafter also learns the text
-it drafts at generation time (the held-out files stay held out; their continuations only measure). --init-from
+(half greedy, half drawn at T = 1, or the share --distill-sampled asks) from prompts cut out of the training files,
+so the drafter also learns the text it drafts at generation time (the held-out files stay held out; their continuations only measure). --init-from
 starts the stages from a shipped DSpark drafter instead of the MTP block, for a second run after a first; a drafter
 of lower Markov rank is widened to --markov-rank first (new W2 columns at zero, so it drafts exactly as before).
 
@@ -126,17 +126,17 @@ def continuations(target: Transformer, prompts: np.ndarray, new: int, temperatur
 
 
 def generated_pool(target: Transformer, data: np.ndarray, count: int, length: int, prompt: int, seed: int,
-                   path: Path) -> np.ndarray:
-    """`count` sequences of `length` tokens: a `prompt`-token slice of `data` and the target's continuation, half
-    greedy, half drawn at T = 1 (cached at `path`, whose name must hold every argument)."""
+                   path: Path, sampled: float = 0.5) -> np.ndarray:
+    """`count` sequences of `length` tokens: a `prompt`-token slice of `data` and the target's continuation, greedy,
+    or drawn at T = 1 for the share `sampled` (cached at `path`, whose name must hold every argument)."""
     if path.exists():
         return np.load(path)
     rng = np.random.default_rng(seed)
     starts = rng.integers(0, len(data) - prompt - 1, count)
     prompts = np.stack([data[s:s + prompt] for s in starts])
-    half = count // 2
-    pool = np.concatenate([continuations(target, prompts[:half], length - prompt, 0.0, seed),
-                           continuations(target, prompts[half:], length - prompt, 1.0, seed)])
+    greedy = int(count * (1 - sampled))
+    pool = np.concatenate([continuations(target, prompts[:greedy], length - prompt, 0.0, seed),
+                           continuations(target, prompts[greedy:], length - prompt, 1.0, seed)])
     np.save(path, pool)
     return pool
 
@@ -244,9 +244,14 @@ def main() -> None:
                         "(half greedy, half at T = 1) rather than from the corpus")
     p.add_argument("--distill-pool", type=int, default=2048, help="how many continuations to generate (cached in WORK)")
     p.add_argument("--distill-prompt", type=int, default=64, help="corpus tokens before each continuation")
+    p.add_argument("--distill-sampled", type=float, default=0.5,
+                   help="share of the training continuations drawn at T = 1, the rest greedy (default 0.5; the "
+                        "held-out continuations stay half and half, so runs compare)")
     args = p.parse_args()
     if not 0 <= args.distill <= 1:
         p.error(f"--distill {args.distill}: a fraction of the batch, from 0 to 1")
+    if not 0 <= args.distill_sampled <= 1:
+        p.error(f"--distill-sampled {args.distill_sampled}: a share of the continuations, from 0 to 1")
     if args.distill and not (args.distill_pool >= 2 and 0 < args.distill_prompt < args.length):
         p.error(f"--distill-pool {args.distill_pool} / --distill-prompt {args.distill_prompt}: at least 2 "
                 f"continuations, and a prompt shorter than --length {args.length}")
@@ -284,8 +289,10 @@ def main() -> None:
     pool = held_pool = None
     if generated:
         shape = f"{args.length}-prompt{args.distill_prompt}-seed{args.seed}"
+        sampled = "" if args.distill_sampled == 0.5 else f"-sampled{args.distill_sampled:g}"
         pool = generated_pool(target, train, args.distill_pool, args.length, args.distill_prompt, args.seed,
-                              args.work / f"generated-train-{args.distill_pool}x{shape}.npy")
+                              args.work / f"generated-train-{args.distill_pool}x{shape}{sampled}.npy",
+                              args.distill_sampled)
         held_pool = generated_pool(target, held, 64, args.length, args.distill_prompt, args.seed + 1,
                                    args.work / f"generated-held-64x{shape}.npy")
         say(f"target continuations: {len(pool)} for training ({generated} of {args.batch} sequences a step), "

@@ -1,4 +1,5 @@
-"""examples/train_dspark.py: a second run may widen a shipped drafter's Markov head without changing its drafts."""
+"""examples/train_dspark.py: a second run may widen a shipped drafter's Markov head without changing its drafts, and
+draw as much of the target's own text at T = 1 as it asks for."""
 from __future__ import annotations
 
 import importlib
@@ -46,3 +47,21 @@ def test_a_drafter_widened_to_a_higher_markov_rank_drafts_exactly_as_before():
         after = train_dspark.block_losses(target, wide, batch, 4, np.random.default_rng(0))
     for name in before:
         torch.testing.assert_close(after[name], before[name], rtol=0, atol=1e-6, msg=name)
+
+
+def test_the_distillation_pool_holds_the_share_of_sampled_continuations_asked_for(tmp_path, monkeypatch):
+    """A greedy continuation is the target's argmax path, so it comes out the same whatever seeds the draws; a drawn
+    one does not (12 tokens of a 4,096-token vocabulary). The pool's first int((1 - sampled) x count) rows are greedy."""
+    target = load_model(TRAINED, mtp=False).requires_grad_(False)
+    data = np.random.default_rng(0).integers(2, target.embed.weight.shape[0], 4096).astype(np.uint16)
+    draws = train_dspark.continuations
+
+    def pool(seed_of_draws: int) -> np.ndarray:                      # the same prompts, other draws
+        monkeypatch.setattr(train_dspark, "continuations", lambda *a: draws(*a[:4], seed_of_draws))
+        return train_dspark.generated_pool(target, data, 4, 20, 8, 0, tmp_path / f"pool-{seed_of_draws}.npy",
+                                           sampled=0.75)
+
+    first, second = pool(1), pool(2)
+    assert first.shape == (4, 20) and (first[:, :8] == second[:, :8]).all()
+    assert (first[:1] == second[:1]).all()                              # 1 greedy row: int(4 x 0.25)
+    assert all((first[i] != second[i]).any() for i in (1, 2, 3))        # 3 drawn at T = 1

@@ -135,8 +135,8 @@ def generated_pool(target: Transformer, data: np.ndarray, count: int, length: in
     starts = rng.integers(0, len(data) - prompt - 1, count)
     prompts = np.stack([data[s:s + prompt] for s in starts])
     greedy = int(count * (1 - sampled))
-    pool = np.concatenate([continuations(target, prompts[:greedy], length - prompt, 0.0, seed),
-                           continuations(target, prompts[greedy:], length - prompt, 1.0, seed)])
+    pool = np.concatenate([continuations(target, part, length - prompt, temperature, seed)
+                           for part, temperature in ((prompts[:greedy], 0.0), (prompts[greedy:], 1.0)) if len(part)])
     np.save(path, pool)
     return pool
 

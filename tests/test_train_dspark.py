@@ -51,17 +51,19 @@ def test_a_drafter_widened_to_a_higher_markov_rank_drafts_exactly_as_before():
 
 def test_the_distillation_pool_holds_the_share_of_sampled_continuations_asked_for(tmp_path, monkeypatch):
     """A greedy continuation is the target's argmax path, so it comes out the same whatever seeds the draws; a drawn
-    one does not (12 tokens of a 4,096-token vocabulary). The pool's first int((1 - sampled) x count) rows are greedy."""
+    one does not (12 tokens of a 4,096-token vocabulary). The pool's first int((1 - sampled) x count) rows are
+    greedy, at either end of the range too."""
     target = load_model(TRAINED, mtp=False).requires_grad_(False)
     data = np.random.default_rng(0).integers(2, target.embed.weight.shape[0], 4096).astype(np.uint16)
     draws = train_dspark.continuations
 
-    def pool(seed_of_draws: int) -> np.ndarray:                      # the same prompts, other draws
+    def pool_of(sampled: float, seed_of_draws: int) -> np.ndarray:        # the same prompts, other draws
         monkeypatch.setattr(train_dspark, "continuations", lambda *a: draws(*a[:4], seed_of_draws))
-        return train_dspark.generated_pool(target, data, 4, 20, 8, 0, tmp_path / f"pool-{seed_of_draws}.npy",
-                                           sampled=0.75)
+        return train_dspark.generated_pool(target, data, 4, 20, 8, 0, tmp_path / f"{sampled}-{seed_of_draws}.npy",
+                                           sampled)
 
-    first, second = pool(1), pool(2)
-    assert first.shape == (4, 20) and (first[:, :8] == second[:, :8]).all()
-    assert (first[:1] == second[:1]).all()                              # 1 greedy row: int(4 x 0.25)
-    assert all((first[i] != second[i]).any() for i in (1, 2, 3))        # 3 drawn at T = 1
+    for sampled, greedy in ((0.75, 1), (1.0, 0), (0.0, 4)):              # int(4 x (1 - sampled)) greedy rows
+        first, second = pool_of(sampled, 1), pool_of(sampled, 2)
+        assert first.shape == (4, 20) and (first[:, :8] == second[:, :8]).all()
+        assert (first[:greedy] == second[:greedy]).all()
+        assert all((first[i] != second[i]).any() for i in range(greedy, 4))

@@ -17,9 +17,10 @@ W2 at zero (no correction), so the first steps already draft something.
 
 With --distill, part of each batch is the target's own text instead of the corpus's: continuations it generated
 (half greedy, half drawn at T = 1, or the share --distill-sampled asks) from prompts cut out of the training files,
-so the drafter also learns the text it drafts at generation time (the held-out files stay held out; their continuations only measure). --init-from
-starts the stages from a shipped DSpark drafter instead of the MTP block, for a second run after a first; a drafter
-of lower Markov rank is widened to --markov-rank first (new W2 columns at zero, so it drafts exactly as before).
+so the drafter also learns the text it drafts at generation time (the held-out files stay held out; their
+continuations only measure). --init-from starts the stages from a shipped DSpark drafter instead of the MTP block,
+for a second run after a first; a drafter of lower Markov rank is widened to --markov-rank first (new W2 columns at
+zero, so it drafts exactly as before).
 
 The script is seeded, logs progress, resumes from WORK/state.pt, stops after --minutes, then writes the 0731
 layout to --output: tiny-v4's target shard byte for byte (so git stores it once), the drafter under mtp.0..2 in a

@@ -29,7 +29,8 @@ def prompts_of_varied_difficulty(shift: int, count: int = 24, draws: int = 4, se
 
 
 def test_the_length_is_the_runtimes_pooled_mean_acceptance_length_inside_its_interval():
-    tallies = {"MTP 3": tally_of(prompts_of_varied_difficulty(0)), "DSpark 5": tally_of(prompts_of_varied_difficulty(1))}
+    tallies = {"MTP 3": tally_of(prompts_of_varied_difficulty(0)),
+               "DSpark 5": tally_of(prompts_of_varied_difficulty(1))}
     owners = [i for i in range(24) for _ in range(4)]
     for name, (length, low, high, *_) in acceptance_intervals(tallies, owners).items():
         assert length == pytest.approx(tallies[name].metrics.mean_acceptance_length)

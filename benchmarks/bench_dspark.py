@@ -157,14 +157,10 @@ def acceptance_intervals(tallies: dict[str, Tally], owners: list[int], baseline:
         return 1 + sums[..., 1] / sums[..., 0]
 
     sums = {name: per_prompt(t) for name, t in tallies.items() if t.metrics is not None and t.metrics.mtp}
+    pooled = {name: float(length(s.sum(axis=0))) for name, s in sums.items()}
     boot = {name: length(s[picks].sum(axis=1)) for name, s in sums.items()}           # [resamples]
-    out = {}
-    for name, s in sums.items():
-        difference = boot[name] - boot[baseline]
-        out[name] = (float(length(s.sum(axis=0))), *np.percentile(boot[name], [2.5, 97.5]),
-                     float(length(s.sum(axis=0)) - length(sums[baseline].sum(axis=0))),
-                     *np.percentile(difference, [2.5, 97.5]))
-    return out
+    return {name: (pooled[name], *np.percentile(boot[name], [2.5, 97.5]), pooled[name] - pooled[baseline],
+                   *np.percentile(boot[name] - boot[baseline], [2.5, 97.5])) for name in sums}
 
 
 def interval_table(tallies: dict[str, Tally], owners: list[int]) -> None:

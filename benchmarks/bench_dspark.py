@@ -9,7 +9,7 @@ so machine noise hits all alike); at batch B > 1 each runs all the prompts as on
 max_batch B with the rest waiting for a free row (a server's batch under load: a row whose request ends takes the
 next, so no row idles while a slower request of its group finishes), `--rounds` times in turn; its tokens/s over the
 whole run and over its full steps (B rows in the step: the end of a finite run, where rows empty one by one, left
-out). For each batch size and temperature: tokens/s and the ratio to MTP 0, mean acceptance length, per-position
+out), the latter as a ratio to MTP 0's in the same round, with a 95% interval over rounds. For each batch size and temperature: tokens/s and the ratio to MTP 0, mean acceptance length, per-position
 acceptance, and whether greedy tokens equal MTP 0's; each drafter's mean acceptance length with a 95% interval over
 the prompts and its difference from MTP 3's, the prompts paired (`--draws`: each prompt sampled several times at
 batch 1, which a T = 1 comparison needs); then, at the first temperature, the per-call costs in decodes
@@ -114,11 +114,11 @@ def systems(args: argparse.Namespace, max_batch: int) -> dict[str, Generator]:
 
 def compare(generators: dict[str, Generator], prompts: list[list[int]], batch: int, temperature: float,
             new_tokens: int | list[int], seed: int, calibration: CalibrationLog, rounds: int, draws: int
-            ) -> tuple[dict[str, Tally], dict[str, float], list[int]]:
+            ) -> tuple[dict[str, Tally], dict[str, list[float]], list[int]]:
     """Every system on the prompts: at batch 1 one prompt at a time, interleaved (sampled: each prompt `draws`
     times, seeded seed, seed + 1, ...); above, all of them as one saturated batch (the generators' max_batch),
     `rounds` times, the systems taking turns. The tallies; above batch 1 each system's tokens/s over its full steps
-    (SaturatedClock); and the prompt of each request, in the order the tallies hold them."""
+    (SaturatedClock) in each round; and the prompt of each request, in the order the tallies hold them."""
     tallies = {name: Tally() for name in generators}
     clocks = {name: SaturatedClock(g.scheduler) for name, g in generators.items()} if batch > 1 else {}
     for g in generators.values():
@@ -127,16 +127,32 @@ def compare(generators: dict[str, Generator], prompts: list[list[int]], batch: i
         groups = [([i], seed + d) for i in range(len(prompts)) for d in range(draws if temperature > 0 else 1)]
     else:
         groups = [(list(range(len(prompts))), seed)] * rounds
+    per_round: dict[str, list[float]] = {name: [] for name in clocks}
     for group, group_seed in groups:
         for name, g in generators.items():
             calibration.on = name == "DSpark 5"
+            before = (clocks[name].tokens, clocks[name].seconds) if clocks else (0, 0.0)
             run_v4engine(g, [prompts[i] for i in group], [new_tokens[i] for i in group], tallies[name],
                          temperature, group_seed)
+            if clocks:
+                per_round[name].append((clocks[name].tokens - before[0]) / (clocks[name].seconds - before[1]))
     calibration.on = False
     for clock in clocks.values():
         clock.detach()
     owners = [i for group, _ in groups for i in group]
-    return tallies, {name: clock.tokens / clock.seconds for name, clock in clocks.items()}, owners
+    return tallies, per_round, owners
+
+
+def speed_intervals(per_round: dict[str, list[float]], baseline: str = "MTP 0", resamples: int = 2000,
+                    seed: int = 0) -> dict[str, tuple[float, float, float]]:
+    """Each system's full-step tokens/s as a ratio to `baseline`'s in the same round (the systems take turns, so a
+    round's machine state is shared), its mean over rounds with a 95% bootstrap interval over rounds: whether a
+    system is slower than MTP 0 or only the machine was, in one round. By system: (mean, low, high)."""
+    ratios = {name: np.asarray(rates) / np.asarray(per_round[baseline]) for name, rates in per_round.items()}
+    rounds = len(per_round[baseline])
+    picks = np.random.default_rng(seed).integers(0, rounds, (resamples, rounds))
+    return {name: (float(r.mean()), *(float(x) for x in np.percentile(r[picks].mean(axis=1), [2.5, 97.5])))
+            for name, r in ratios.items()}
 
 
 def acceptance_intervals(tallies: dict[str, Tally], owners: list[int], baseline: str = "MTP 3",
@@ -174,17 +190,21 @@ def interval_table(tallies: dict[str, Tally], owners: list[int]) -> None:
           "compare its tokens/s)\n")
 
 
-def report(tallies: dict[str, Tally], saturated: dict[str, float], batch: int, temperature: float, groups: str
-           ) -> dict[str, float]:
-    """Print the table and the ratios (over the whole run, and over full steps where measured); tokens/s by
-    system."""
+def report(tallies: dict[str, Tally], per_round: dict[str, list[float]], batch: int, temperature: float,
+           groups: str) -> dict[str, float]:
+    """Print the table and the ratios (over the whole run, and over full steps where measured: per round, their
+    mean and its interval); tokens/s by system."""
     print(table(f"batch {batch} ({groups}, temperature {temperature:g})", {n: t.row() for n, t in tallies.items()}))
     base = tallies["MTP 0"]
     rates = {n: t.tokens / t.seconds for n, t in tallies.items()}
+    intervals = speed_intervals(per_round) if per_round else {}
     for name, t in tallies.items():
         same = "" if temperature else f"; tokens {'equal' if t.outputs == base.outputs else 'DIFFER from'} MTP 0's"
-        full = f"; full steps {saturated[name]:.1f} tokens/s, {saturated[name] / saturated['MTP 0']:.2f}x MTP 0" \
-            if saturated else ""
+        full = ""
+        if intervals:
+            mean, low, high = intervals[name]
+            full = (f"; full steps {statistics.mean(per_round[name]):.1f} tokens/s, {mean:.2f}x MTP 0 "
+                    f"({low:.2f}-{high:.2f} over {len(per_round[name])} rounds)")
         print(f"  {name}: {rates[name] / rates['MTP 0']:.2f}x MTP 0{full}{same}")
     print()
     return rates
@@ -327,11 +347,11 @@ def main() -> None:
         for g in generators.values():                        # warm up every system once, untimed
             run_v4engine(g, prompts[:batch], 8, Tally())
         for temperature in args.temperatures:
-            tallies, saturated, owners = compare(generators, prompts, batch, temperature, lengths, args.seed,
+            tallies, per_round, owners = compare(generators, prompts, batch, temperature, lengths, args.seed,
                                                  calibration, args.rounds, args.draws)
             kind = "one at a time" if batch == 1 else "a saturated batch"
             drawn = f", {args.draws} draws each" if batch == 1 and temperature > 0 and args.draws > 1 else ""
-            report(tallies, saturated, batch, temperature, f"{len(prompts)} held-out prompts of "
+            report(tallies, per_round, batch, temperature, f"{len(prompts)} held-out prompts of "
                    f"{args.prompt_tokens} tokens, {new_tokens}, {kind}{drawn}")
             interval_table(tallies, owners)
             if temperature == args.temperatures[0]:

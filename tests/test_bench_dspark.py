@@ -1,9 +1,10 @@
-"""bench_dspark's acceptance intervals: the figure they bracket is the runtime's own mean acceptance length, and a
-comparison pairs the prompts, so a prompt's difficulty cancels and only the drafters' difference is left."""
+"""bench_dspark's intervals: the acceptance figure they bracket is the runtime's own mean acceptance length, and a
+comparison pairs the prompts, so a prompt's difficulty cancels and only the drafters' difference is left; a speed
+ratio pairs the rounds, so a machine slow for a whole round moves every system alike."""
 import numpy as np
 import pytest
 
-from benchmarks.bench_dspark import acceptance_intervals
+from benchmarks.bench_dspark import acceptance_intervals, speed_intervals
 from benchmarks.bench_generate import Tally
 from v4engine.runtime.metrics import RequestMetrics
 
@@ -56,3 +57,23 @@ def test_systems_that_draft_nothing_are_left_out():
     tallies = {"MTP 0": Tally(verifies=[(0, 0)] * 4, metrics=RequestMetrics(mtp=0)),
                "MTP 3": tally_of([[1, 2], [0, 3], [2, 2], [1, 1]])}
     assert list(acceptance_intervals(tallies, [0, 1, 2, 3])) == ["MTP 3"]
+
+
+def test_a_round_the_whole_machine_ran_slow_in_leaves_the_speed_ratio_as_it_was():
+    machine = np.array([1.0, 0.7, 1.1, 0.9, 1.3, 0.8])                  # each round's speed of the machine
+    per_round = {"MTP 0": list(450 * machine), "DSpark 5 scheduled": list(441 * machine)}
+    mean, low, high = speed_intervals(per_round)["DSpark 5 scheduled"]
+    assert mean == low == high == pytest.approx(0.98)
+    assert speed_intervals(per_round)["MTP 0"] == (1.0, 1.0, 1.0)
+
+
+def test_the_speed_interval_brackets_the_mean_ratio_and_narrows_with_more_rounds():
+    rng = np.random.default_rng(0)
+
+    def width(rounds: int) -> float:
+        per_round = {"MTP 0": [450.0] * rounds, "DSpark 5": list(450 * (0.97 + 0.03 * rng.standard_normal(rounds)))}
+        mean, low, high = speed_intervals(per_round)["DSpark 5"]
+        assert low < mean < high
+        return high - low
+
+    assert width(24) < width(4) / 1.5

@@ -10,8 +10,8 @@ max_batch B with the rest waiting for a free row (a server's batch under load: a
 next, so no row idles while a slower request of its group finishes), `--rounds` times in turn; its tokens/s over the
 whole run and over its full steps (B rows in the step: the end of a finite run, where rows empty one by one, left
 out), the latter as a ratio to MTP 0's in the same round, with a 95% interval over rounds. For each batch size
-and temperature: tokens/s and the ratio to MTP 0, mean acceptance length, per-position acceptance, and whether greedy tokens equal MTP 0's; each drafter's mean acceptance length with a 95% interval over
-the prompts and its difference from MTP 3's, the prompts paired (`--draws`: each prompt sampled several times at
+and temperature: tokens/s and the ratio to MTP 0, mean acceptance length, per-position acceptance, and whether
+greedy tokens equal MTP 0's; each drafter's mean acceptance length with a 95% interval over the prompts and its difference from MTP 3's, the prompts paired (`--draws`: each prompt sampled several times at
 batch 1, which a T = 1 comparison needs); then, at the first temperature, the per-call costs in decodes
 (verify of N + 1, one draft cycle; at batch B, the calls of B rows) and the bound they set (mean acceptance length /
 (verify + draft)); the confidence head's calibration on DSpark 5 (predicted survival, the running product of the

@@ -1,22 +1,22 @@
 """DSpark against MTP, side by side: acceptance, speed, call costs, and the confidence head's calibration.
 
-Engines: the trained tiny V4 (examples/tiny-v4) built --mtp 3, whose MTP layer drafts k = 1..3 (MTP 0: no drafting),
-and examples/tiny-v4-dspark (the same target with its trained DSpark drafter) built --mtp 3, 5 and 7: DSpark N = 3,
-5, 7 (N is the draft graph's block width, so each N is an engine of its own). On held-out prompts (files the models
-never saw), every system runs the prompts in turn: MTP 0..3, DSpark N with every draft verified, and DSpark N with
-confidence scheduling (runtime/verify_schedule.py). At batch 1 the systems take turns prompt by prompt (interleaved,
-so machine noise hits all alike); at batch B > 1 each runs all the prompts as one saturated batch, a generator of
-max_batch B with the rest waiting for a free row (a server's batch under load: a row whose request ends takes the
-next, so no row idles while a slower request of its group finishes), `--rounds` times in turn; its tokens/s over the
-whole run and over its full steps (B rows in the step: the end of a finite run, where rows empty one by one, left
-out), the latter as a ratio to MTP 0's in the same round, with a 95% interval over rounds. For each batch size
-and temperature: tokens/s and the ratio to MTP 0, mean acceptance length, per-position acceptance, and whether
-greedy tokens equal MTP 0's; each drafter's mean acceptance length with a 95% interval over the prompts and its difference from MTP 3's, the prompts paired (`--draws`: each prompt sampled several times at
-batch 1, which a T = 1 comparison needs); then, at the first temperature, the per-call costs in decodes
-(verify of N + 1, one draft cycle; at batch B, the calls of B rows) and the bound they set (mean acceptance length /
-(verify + draft)); the confidence head's calibration on DSpark 5 (predicted survival, the running product of the
-confidences, against observed acceptance, per position and in bins); and a PNG of acceptance per position and the
-calibration curve.
+Engines: the trained tiny V4 (examples/tiny-v4) built --mtp 3, whose MTP layer drafts k = 1..3 (MTP 0: no drafting), and
+examples/tiny-v4-dspark (the same target with its trained DSpark drafter) built --mtp 3, 5 and 7: DSpark N = 3, 5, 7 (N
+is the draft graph's block width, so each N is an engine of its own). On held-out prompts (files the models never saw),
+every system runs the prompts in turn: MTP 0..3, DSpark N with every draft verified, and DSpark N with confidence
+scheduling (runtime/verify_schedule.py). At batch 1 the systems take turns prompt by prompt (interleaved, so machine
+noise hits all alike); at batch B > 1 each runs all the prompts as one saturated batch, a generator of max_batch B with
+the rest waiting for a free row (a server's batch under load: a row whose request ends takes the next, so no row idles
+while a slower request of its group finishes), `--rounds` times in turn; its tokens/s over the whole run and over its
+full steps (B rows in the step: the end of a finite run, where rows empty one by one, left out), the latter as a ratio
+to MTP 0's in the same round, with a 95% interval over rounds. For each batch size and temperature: tokens/s and the
+ratio to MTP 0, mean acceptance length, per-position acceptance, and whether greedy tokens equal MTP 0's; each drafter's
+mean acceptance length with a 95% interval over the prompts and its difference from MTP 3's, the prompts paired
+(`--draws`: each prompt sampled several times at batch 1, which a T = 1 comparison needs); then, at the first
+temperature, the per-call costs in decodes (verify of N + 1, one draft cycle; at batch B, the calls of B rows) and the
+bound they set (mean acceptance length / (verify + draft)); the confidence head's calibration on DSpark 5 (predicted
+survival, the running product of the confidences, against observed acceptance, per position and in bins); and a PNG of
+acceptance per position and the calibration curve.
 
 `--slice` measures call costs only on the wide slice (make-tiny --config slice, random weights: nothing is accepted),
 MTP 3 against DSpark 5, so the cost of three stages with their own MoE is known at width.

@@ -26,12 +26,13 @@ The script is seeded, logs progress, resumes from WORK/state.pt, stops after --m
 layout to --output: tiny-v4's target shard byte for byte (so git stores it once), the drafter under mtp.0..2 in a
 second shard (FP8 128x128 blocks; Markov tables and norms bf16), config.json with the dspark_* keys, the tokenizer.
 
-examples/tiny-v4-dspark was made by two runs (its README has the figures):
+examples/tiny-v4-dspark was made by five runs, each after the first --init-from the one before (its README has the
+commands, the times and the figures); the first two:
 
-    .venv/bin/python examples/train_dspark.py --work /tmp/train-dspark --minutes 68 --steps 1000 --lr 1.5e-3 \
-        --output /tmp/tiny-v4-dspark-first
-    .venv/bin/python examples/train_dspark.py --work /tmp/train-dspark-2 --init-from /tmp/tiny-v4-dspark-first \
-        --distill 0.5 --distill-pool 1024 --minutes 80 --steps 1800 --lr 7e-4 --output /tmp/tiny-v4-dspark
+    .venv/bin/python examples/train_dspark.py --work /tmp/dspark-1 --minutes 68 --steps 1000 --lr 1.5e-3 \
+        --output /tmp/dspark-first
+    .venv/bin/python examples/train_dspark.py --work /tmp/dspark-2 --init-from /tmp/dspark-first \
+        --distill 0.5 --distill-pool 1024 --minutes 80 --steps 1800 --lr 7e-4 --output /tmp/dspark-second
 """
 from __future__ import annotations
 

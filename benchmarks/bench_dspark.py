@@ -203,8 +203,8 @@ def report(tallies: dict[str, Tally], per_round: dict[str, list[float]], batch: 
         full = ""
         if intervals:
             mean, low, high = intervals[name]
-            full = (f"; full steps {statistics.mean(per_round[name]):.1f} tokens/s, {mean:.2f}x MTP 0 "
-                    f"({low:.2f}-{high:.2f} over {len(per_round[name])} rounds)")
+            spread = f" ({low:.2f}-{high:.2f} over {len(per_round[name])} rounds)" if len(per_round[name]) > 1 else ""
+            full = f"; full steps {statistics.mean(per_round[name]):.1f} tokens/s, {mean:.2f}x MTP 0{spread}"
         print(f"  {name}: {rates[name] / rates['MTP 0']:.2f}x MTP 0{full}{same}")
     print()
     return rates
@@ -329,6 +329,11 @@ def main() -> None:
     args = p.parse_args()
     if args.draws < 1:
         p.error(f"--draws must be at least 1, not {args.draws}")
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, not {args.rounds}")
+    if not args.slice and max(args.batch_sizes) > args.prompts:
+        p.error(f"--batch-sizes {max(args.batch_sizes)}: a saturated batch needs at least as many --prompts "
+                f"({args.prompts})")
     if args.slice:
         slice_costs(args.work, args.prompt_tokens, args.batch_sizes)
         return

@@ -237,7 +237,8 @@ def write_release_layout(drafter: DSpark, raw: dict, output: Path) -> None:
 def main() -> None:
     p = training_arguments(__doc__.splitlines()[0], minutes=60, steps=1200, lr=1e-3)
     p.add_argument("--anchors", type=int, default=24, help="blocks drawn per sequence per step")
-    p.add_argument("--markov-rank", type=int, default=64, help="rank r of the Markov head (Flash: 256)")
+    p.add_argument("--markov-rank", type=int, default=None,
+                   help="rank r of the Markov head (Flash: 256; default: the --init-from drafter's, else 64)")
     p.add_argument("--init-from", type=Path, default=None,
                    help="start the drafter from this DSpark checkpoint's mtp.* weights (e.g. examples/tiny-v4-dspark) "
                         "instead of tiny-v4's MTP block; a fresh optimizer and schedule")
@@ -252,6 +253,8 @@ def main() -> None:
     args = p.parse_args()
     if not 0 <= args.distill <= 1:
         p.error(f"--distill {args.distill}: a fraction of the batch, from 0 to 1")
+    if args.markov_rank is not None and args.markov_rank < 1:
+        p.error(f"--markov-rank {args.markov_rank}: a rank of at least 1")
     if not 0 <= args.distill_sampled <= 1:
         p.error(f"--distill-sampled {args.distill_sampled}: a share of the continuations, from 0 to 1")
     if args.distill and not (args.distill_pool >= 2 and 0 < args.distill_prompt < args.length):
@@ -269,24 +272,27 @@ def main() -> None:
         f"({len(held)} tokens)")
 
     target = load_model(TARGET, mtp=True).requires_grad_(False)
-    raw = dspark_config(json.loads((TARGET / "config.json").read_text()), args.markov_rank)
-    drafter = dspark_for(target, raw, args.seed)
+    start = None
     if args.init_from:
         try:
             start = load_dspark(args.init_from)
         except V4EngineError as e:              # not a checkpoint, not a DSpark one: one line
             raise SystemExit(f"--init-from: {e}") from None
+    rank = args.markov_rank or (start.dspark.markov_rank if start is not None else 64)
+    raw = dspark_config(json.loads((TARGET / "config.json").read_text()), rank)
+    drafter = dspark_for(target, raw, args.seed)
+    if start is not None:
         mtp_only = {k: v for k, v in start.state_dict().items() if k.startswith("mtp.")}
-        rank = start.dspark.markov_rank
-        if rank < args.markov_rank:
+        stored = start.dspark.markov_rank
+        if stored < rank:
             mtp_only = widened_markov(mtp_only, drafter)
         if {k: v.shape for k, v in mtp_only.items()} != {k: v.shape for k, v in drafter.state_dict().items()
                                                           if k.startswith("mtp.")}:
             raise SystemExit(f"--init-from {args.init_from}: its drafter's tensors are not those of a tiny-v4 "
-                             f"drafter with --markov-rank {args.markov_rank} or less")
+                             f"drafter with --markov-rank {rank} or less")
         drafter.load_state_dict(mtp_only, strict=False)
-        say(f"drafter started from {args.init_from}" + (f" (Markov rank {rank} widened to {args.markov_rank})"
-                                                        if rank < args.markov_rank else ""))
+        say(f"drafter started from {args.init_from}" + (f" (Markov rank {stored} widened to {rank})"
+                                                        if stored < rank else ""))
     generated = round(args.batch * args.distill)
     pool = held_pool = None
     if generated:

@@ -107,7 +107,7 @@ class VerifyPlanner:
         self.costs, self.probe_every, self.probe_at_most_every = costs, probe_every, probe_at_most_every
         self.since_draft = 0                 # steps without a draft call since the last
         self.interval = probe_every          # steps without drafting before a probe (doubled, halved: should_draft)
-        self.typical: np.ndarray | None = None   # the mean survivals of the last draft: a new row's estimate
+        self.typical: dict[bool, np.ndarray] = {}   # greedy or sampled: a new row's estimate (the note below)
         self.width = 0                       # the drafts per row the last drafting step verified
         self.scale = {True: 1.0, False: 1.0}     # measured / profiled seconds: drafting steps, plain decodes
 
@@ -140,15 +140,17 @@ class VerifyPlanner:
 
     def should_draft(self, requests: Sequence[Request]) -> bool:
         """Whether this step's decoding rows draft: yes when drafting pays by each row's survivals at its last draft (a
-        row never drafted: the last draft's mean; before any draft: yes); otherwise only to probe, after `interval`
-        steps without (probe_every at first, doubled after each draft that did not pay, up to probe_at_most_every,
-        halved after one that did, down to probe_every: a probe costs a draft cycle that catches up on the positions
-        since the last, up to a ring's rows, and one that pays by chance at T = 1 should not bring back probes every
-        probe_every steps; at batch 8, T = 1 on tiny-v4 halving rather than starting again at probe_every took
-        DSpark 3 / 5 scheduled from 0.94 / 0.96x MTP 0 to 0.98 / 0.99x)."""
+        row never drafted: the last draft's mean over rows greedy or sampled as it is; before any such: yes); otherwise
+        only to probe, after `interval` steps without (probe_every at first, doubled after each draft that did not pay,
+        up to probe_at_most_every, halved after one that did, down to probe_every: a probe costs a draft cycle that
+        catches up on the positions since the last, up to a ring's rows, and one that pays by chance at T = 1 should not
+        bring back probes every probe_every steps; at batch 8, T = 1 on tiny-v4 halving rather than starting again at
+        probe_every took DSpark 3 / 5 scheduled from 0.94 / 0.96x MTP 0 to 0.98 / 0.99x). The estimate of a row never
+        drafted is kept apart for greedy and sampled rows: after a sampled phase (drafts that did not pay, the interval
+        at its longest) a greedy request would otherwise not be drafted for up to probe_at_most_every steps."""
         if not requests:
             return False
-        estimates = [r.survival if r.survival is not None else self.typical for r in requests]
+        estimates = [r.survival if r.survival is not None else self.typical.get(r.params.greedy) for r in requests]
         if any(s is None for s in estimates) or self.pays(estimates):
             return True
         self.since_draft += 1
@@ -156,14 +158,17 @@ class VerifyPlanner:
 
     def trim(self, requests: Sequence[Request]) -> None:
         """After a draft cycle: keep each row's best prefix (its survivals recorded for the next decisions)."""
-        survivals = []
+        survivals, kinds = [], []
         for r in requests:
             if r.proposal is not None and r.proposal.confidence is not None:
                 r.survival = survival(r.proposal.confidence)
                 survivals.append(r.survival)
+                kinds.append(r.params.greedy)
         if survivals:
             longest = max(len(s) for s in survivals)
-            self.typical = np.mean([np.pad(s, (0, longest - len(s))) for s in survivals], axis=0)
+            padded = [np.pad(s, (0, longest - len(s))) for s in survivals]
+            for greedy in set(kinds):
+                self.typical[greedy] = np.mean([s for s, k in zip(padded, kinds) if k == greedy], axis=0)
             paid = self.pays(survivals)
             self.interval = max(self.probe_every, self.interval // 2) if paid else \
                 min(2 * self.interval, self.probe_at_most_every)

@@ -28,10 +28,11 @@ def costs(draft: float, verify_per_token: float, widths: int = 6) -> StepCosts:
                      tuple(tuple(1e-3 + verify_per_token * b * w for w in range(1, widths + 1)) for b in (1, 8)))
 
 
-def row(confidence: list[float]) -> SimpleNamespace:
-    """A decoding request as the planner sees it: its proposal (with confidences) and its last survivals."""
+def row(confidence: list[float], params: SamplingParams = GREEDY) -> SimpleNamespace:
+    """A decoding request as the planner sees it: its proposal (with confidences), its last survivals, its
+    sampling."""
     return SimpleNamespace(proposal=Proposal(list(range(len(confidence))), confidence=np.array(confidence)),
-                           survival=None)
+                           survival=None, params=params)
 
 
 # ---------------------------------------------------------------------- the choice
@@ -83,6 +84,20 @@ def test_a_batch_whose_drafts_do_not_pay_skips_the_draft_call_but_probes_again()
     assert all(cheap.should_draft(paying) for _ in range(8))
     planner.trim(paying)                   # a probe that paid (by chance, say): half the interval, not probe_every
     assert planner.interval == 8
+
+
+def test_a_greedy_request_after_sampled_ones_that_did_not_pay_is_drafted_at_once():
+    """Sampled drafts that rarely survive stretch the probe interval; a greedy request arriving then is judged by
+    greedy rows' estimates (none yet: it drafts), not by the sampled rows' mean."""
+    planner = VerifyPlanner(costs(draft=1e-4, verify_per_token=1e-3), probe_every=4)
+    sampled = [row([0.1] * 5, SamplingParams(max_new_tokens=24, temperature=1.0)) for _ in range(8)]
+    planner.trim(sampled)
+    planner.trim(sampled)
+    assert not planner.should_draft([row([0.1] * 5, sampled[0].params)])     # a new sampled row: the sampled mean
+    greedy = [row([0.99] * 5) for _ in range(8)]
+    assert planner.should_draft(greedy)
+    planner.trim(greedy)
+    assert planner.should_draft([row([0.99] * 5)])                            # a new greedy row: the greedy mean
 
 
 def test_steps_as_measured_correct_a_profile_that_no_longer_holds():

@@ -9,16 +9,32 @@ tokens per second, from costs measured on this machine (`StepCosts`, profiled on
 and recorded). It also decides whether to draft at all: from each row's survivals at its last draft, the best
 expected rate of a step with a draft cycle against a plain decode step (B tokens per target call of width 1, timed
 in steps without a draft cycle: after one, the same call costs more, 10.7 against 9.1 ms at batch 8 on tiny-v4,
-the drafter's weights having pushed the target's out of the CPU's caches); when
-drafting does not pay (a saturated batch whose drafts are rarely kept) the step makes no draft call, and now and
-then (less often while it keeps not paying) a step drafts again to refresh the estimates. The drafter's rings lose
-nothing by a skipped cycle: the next one feeds them every committed position it has not seen.
+the drafter's weights having pushed the target's out of the CPU's caches); when drafting does not pay (a saturated
+batch whose drafts are rarely kept) the step makes no draft call, and now and then (less often while it keeps not
+paying) a step drafts again to refresh the estimates. The drafter's rings lose nothing by a skipped cycle: the next
+one feeds them every committed position it has not seen.
 
-The profile is a prior: each step of decoding rows alone (no prefill beside them) is timed, and the running ratio
-of its seconds to the profile's, kept apart for drafting steps and plain decodes, scales the profile's costs of
-each kind. A profile recorded while the machine was busier (or quieter), in another state of the same machine
-(tiny-v4's decode took 8.4 ms in one session here and 4.4-5.5 in the next, its verify of 6 1.3 and 1.9 decodes), or
-on random prompts whose experts differ from real text's, is so brought back to what steps cost now.
+What the step model leaves out, measured where it could be:
+- Turning drafting on costs more than a drafting step does once it runs: the first draft cycle after plain decodes
+  catches up on the positions since the last, the drafter's weights and then the target's are cold in the CPU's
+  caches, and the first plain decode after drafting is slower too. The profile times that switch
+  (`StepCosts.switch`) and a step that would turn drafting on must pay it.
+- A probe whose drafts do not pay verifies none: it only refreshes the estimates. Rows admitted together with one
+  length decode in step and end together, so their successors' prompts are prefilled in one call; a verify of
+  drafts moves them out of step for good, and each successor is then prefilled alone (at batch 8 on tiny-v4 a
+  128-token prompt alone took 36-37 ms where eight together took 28-30 ms each).
+- Drafting must promise MARGIN times plain decoding's tokens per second, not merely more: the costs a step does not
+  see (the drafter's catch-up on each new prompt, prompts prefilled apart as above, a request's tail) took a batch 8
+  that drafted wherever its step model said it paid to 0.85-0.94x MTP 0 on tiny-v4, at T = 1 and greedy; with a
+  margin of 1.1, 0.92-0.96x, the batch drafting less where the model called it close (benchmarks/RESULTS.md).
+
+The profile is a prior: each step of decoding rows alone is timed, call by call and in all. The running ratio of
+each graph's calls (target, draft) to the profile's scales that graph's costs, and the host's seconds per row around
+the calls (sampling, verifying, committing: 1-2 ms a plain step at batch 8 on tiny-v4, 3-4 ms a drafting one) are
+kept per kind of step. A profile recorded while the machine was busier (or quieter), in another state of the same
+machine (tiny-v4's decode took 8.4 ms in one session here and 4.4-5.5 in the next, its verify of 6 1.3 and 1.9
+decodes), or on random prompts whose experts differ from real text's, is so brought back to what steps cost now;
+and the target's ratio, measured by every step's verify, keeps a plain decode's cost current while the batch drafts.
 
 Lossless by construction: a verify checks every draft it keeps exactly as before; only how many it keeps changes.
 """
@@ -47,52 +63,68 @@ REPEATS = 5                           # timings per (batch, width): the median i
 SCALE_RATE = 0.05                     # weight of each step's measured-to-profiled ratio in its running mean
 SCALE_CLIP = (0.25, 4.0)              # a step's ratio is clipped to this (a pause of the host is not a cost)
 PROFILE_PROMPT = 64                   # prompt tokens of the profiling requests
-PROFILE_METHOD = 2                    # how a profile is measured: a record made another way is measured again
+PROFILE_METHOD = 4                    # how a profile is measured: a record made another way is measured again
+MARGIN = 1.1                          # drafting must promise this many times plain decoding's tokens/s (the docstring)
+SWITCH_AFTER = 32                     # plain decode steps before each drafting step the profile times as a switch
+SWITCHES = 3                          # switches timed per batch (the median kept)
 
 
 @dataclass(frozen=True)
 class StepCosts:
     """Seconds of the calls a step makes, at each profiled batch size (ascending `batches`): a plain decode step's
     target call (`decode[i]`), and in a step that drafts, the draft cycle (`draft[i]`) and the target call verifying
-    width 1 .. k + 1 (`verify[i][w - 1]`); between and beyond the profiled sizes, linear interpolation (flat past
+    width 1 .. k + 1 (`verify[i][w - 1]`); what turning drafting on adds (`switch[i]`: the first drafting step
+    after plain decodes and the first plain decode after drafting, beyond those of steps in a run of their kind);
+    what drafting costs once per request: the prefill of `batch` prompts of PROFILE_PROMPT tokens in one call
+    (`prefill[i]`: prompts prefilled one by one cost more than together) and the drafter's catch-up on them
+    (`catch_up[i]`, all rows in one call). Between and beyond the profiled sizes, linear interpolation (flat past
     the ends)."""
 
     batches: tuple[int, ...]
     decode: tuple[float, ...]
     draft: tuple[float, ...]
     verify: tuple[tuple[float, ...], ...]
+    switch: tuple[float, ...]
+    prefill: tuple[float, ...]
+    catch_up: tuple[float, ...]
 
     @property
     def widths(self) -> int:
         return len(self.verify[0])
 
-    def decode_at(self, batch: int) -> float:
-        return float(np.interp(batch, self.batches, self.decode))
-
-    def draft_at(self, batch: int) -> float:
-        return float(np.interp(batch, self.batches, self.draft))
+    def at(self, field: str, batch: int) -> float:
+        """`field` (decode, draft, switch, prefill, catch_up) at `batch` rows."""
+        return float(np.interp(batch, self.batches, getattr(self, field)))
 
     def verify_at(self, batch: int, width: int) -> float:
         return float(np.interp(batch, self.batches, [row[width - 1] for row in self.verify]))
 
     def to_json(self) -> dict[str, Any]:
-        return {"batches": list(self.batches), "decode": list(self.decode), "draft": list(self.draft),
-                "verify": [list(r) for r in self.verify]}
+        return {name: [list(r) for r in value] if name == "verify" else list(value)
+                for name, value in vars(self).items()}
 
     @classmethod
     def from_json(cls, data: Any, widths: int) -> "StepCosts | None":
-        """A recorded profile, or None when it is not one for `widths` verify widths (then it is measured again)."""
+        """A recorded profile, or None when it is not one for `widths` verify widths (then it is measured again):
+        seconds finite, positive (a switch or a catch-up may be 0), one of each per batch, batches ascending."""
+        def seconds(values: Sequence[Any], least_is_zero: bool) -> bool:
+            return all(isinstance(x, float) and math.isfinite(x) and (x >= 0 if least_is_zero else x > 0)
+                       for x in values)
+
         try:
-            batches, decode, draft = tuple(data["batches"]), tuple(data["decode"]), tuple(data["draft"])
+            batches = tuple(data["batches"])
+            per_batch = {name: tuple(data[name]) for name in ("decode", "draft", "switch", "prefill", "catch_up")}
             verify = tuple(tuple(row) for row in data["verify"])
-            ok = (batches and len(decode) == len(draft) == len(batches) == len(verify)
+            ok = (batches and all(len(v) == len(batches) for v in (*per_batch.values(), verify))
                   and all(isinstance(b, int) and b > 0 for b in batches) and list(batches) == sorted(set(batches))
                   and all(len(row) == widths for row in verify)
-                  and all(isinstance(s, float) and math.isfinite(s) and s > 0
-                          for s in (*decode, *draft, *sum(verify, ()))))
+                  and seconds((*per_batch["decode"], *per_batch["draft"], *per_batch["prefill"], *sum(verify, ())),
+                              False)
+                  and seconds((*per_batch["switch"], *per_batch["catch_up"]), True))
         except (KeyError, TypeError):
             return None
-        return cls(batches, decode, draft, verify) if ok else None
+        return cls(batches, per_batch["decode"], per_batch["draft"], verify, per_batch["switch"],
+                   per_batch["prefill"], per_batch["catch_up"]) if ok else None
 
 
 def survival(confidence: np.ndarray) -> np.ndarray:
@@ -103,62 +135,97 @@ def survival(confidence: np.ndarray) -> np.ndarray:
 class VerifyPlanner:
     """Chooses, each step, whether the batch drafts and how many drafts each row's verify keeps."""
 
-    def __init__(self, costs: StepCosts, probe_every: int = 8, probe_at_most_every: int = 128):
+    def __init__(self, costs: StepCosts, probe_every: int = 8, probe_at_most_every: int = 128,
+                 margin: float = MARGIN):
         self.costs, self.probe_every, self.probe_at_most_every = costs, probe_every, probe_at_most_every
+        self.margin = margin                 # how much faster than plain decoding a drafting step must promise to be
         self.since_draft = 0                 # steps without a draft call since the last
         self.interval = probe_every          # steps without drafting before a probe (doubled, halved: should_draft)
         self.typical: dict[bool, np.ndarray] = {}   # greedy or sampled: a new row's estimate (the note below)
         self.width = 0                       # the drafts per row the last drafting step verified
-        self.scale = {True: 1.0, False: 1.0}     # measured / profiled seconds: drafting steps, plain decodes
+        self.switching = False               # whether the last drafting step turned drafting on (after plain steps)
+        self.once = 0.0                      # its once_per_token
+        self.scale = {"target": 1.0, "draft": 1.0}   # measured / profiled seconds of each graph's calls
+        self.host = {True: 0.0, False: 0.0}  # seconds per row of a step's work around its calls: drafting, plain
+        self.host_steps = {True: 0, False: 0}    # steps that measured it (the first ones set it: no prior)
 
-    def profiled_seconds(self, batch: int, width: int | None) -> float:
-        """The profile's seconds of a step of `batch` decoding rows verifying `width` drafts each (None: no draft
-        call, a plain decode)."""
+    def profiled_seconds(self, batch: int, width: int | None, switching: bool = False) -> tuple[float, float]:
+        """The profile's (draft, target) seconds of a step of `batch` decoding rows verifying `width` drafts each
+        (None: no draft call, a plain decode), turning drafting on or not."""
         if width is None:
-            return self.costs.decode_at(batch)
-        return self.costs.draft_at(batch) + self.costs.verify_at(batch, width + 1)
+            return 0.0, self.costs.at("decode", batch)
+        switch = self.costs.at("switch", batch) if switching else 0.0
+        return self.costs.at("draft", batch) + switch, self.costs.verify_at(batch, width + 1)
 
-    def step_seconds(self, batch: int, width: int | None) -> float:
-        """Expected seconds of such a step: the profile's, scaled by what steps of its kind measured."""
-        return self.profiled_seconds(batch, width) * self.scale[width is not None]
+    def step_seconds(self, batch: int, width: int | None, switching: bool = False) -> float:
+        """Expected seconds of such a step: the profile's calls scaled by what each graph's calls measured, and the
+        host's work around them as measured in steps of its kind."""
+        draft, target = self.profiled_seconds(batch, width, switching)
+        return draft * self.scale["draft"] + target * self.scale["target"] + self.host[width is not None] * batch
 
-    def expected_rate(self, survivals: Sequence[np.ndarray], width: int) -> float:
-        """Expected tokens per second of a step that drafts for these rows and verifies `width` drafts of each."""
+    def expected_rate(self, survivals: Sequence[np.ndarray], width: int, switching: bool = False,
+                      once: float = 0.0) -> float:
+        """Expected tokens per second of a step that drafts for these rows and verifies `width` drafts of each
+        (`once`: seconds per token of what drafting costs once, `once_per_token`)."""
         B = len(survivals)
         tokens = B + sum(float(s[:width].sum()) for s in survivals)
-        return tokens / self.step_seconds(B, width)
+        return tokens / (self.step_seconds(B, width, switching) + tokens * once)
 
-    def best_width(self, survivals: Sequence[np.ndarray]) -> int:
+    def best_width(self, survivals: Sequence[np.ndarray], switching: bool = False, once: float = 0.0) -> int:
         """The drafts per row (0 .. the longest proposal) with the most expected tokens per second."""
         longest = min(max((len(s) for s in survivals), default=0), self.costs.widths - 1)
-        return max(range(longest + 1), key=lambda w: (self.expected_rate(survivals, w), -w))
+        return max(range(longest + 1), key=lambda w: (self.expected_rate(survivals, w, switching, once), -w))
 
-    def pays(self, survivals: Sequence[np.ndarray]) -> bool:
-        """Whether a step that drafts for these rows beats a plain decode step (B tokens per decode call)."""
+    def pays(self, survivals: Sequence[np.ndarray], switching: bool = False, once: float = 0.0) -> bool:
+        """Whether a step that drafts for these rows (turning drafting on, or not) beats a plain decode step (B
+        tokens per decode call) by the margin."""
         B = len(survivals)
-        return self.expected_rate(survivals, self.best_width(survivals)) > B / self.step_seconds(B, None)
+        best = self.expected_rate(survivals, self.best_width(survivals, switching, once), switching, once)
+        return best > self.margin * B / self.step_seconds(B, None)
 
-    def should_draft(self, requests: Sequence[Request]) -> bool:
-        """Whether this step's decoding rows draft: yes when drafting pays by each row's survivals at its last draft (a
-        row never drafted: the last draft's mean over rows greedy or sampled as it is; before any such: yes); otherwise
-        only to probe, after `interval` steps without (probe_every at first, doubled after each draft that did not pay,
-        up to probe_at_most_every, halved after one that did, down to probe_every: a probe costs a draft cycle that
+    def once_per_token(self, requests: Sequence[Request], queued: int) -> float:
+        """Seconds per token, over the rows' tokens still to come, of what drafting now costs once: the drafter's
+        catch-up on the prompts of rows never drafted (in one call); and where the rows decode in step (as many
+        tokens left each: admitted together, they end together) with requests queued behind them, their successors'
+        prompts prefilled one by one instead of in one call, for drafts move the rows out of step for good."""
+        fresh = sum(r.survival is None for r in requests)
+        once = self.costs.at("catch_up", fresh) * self.scale["draft"] if fresh else 0.0
+        left = [max(1, r.params.max_new_tokens - len(r.generated)) for r in requests]
+        successors = min(len(requests), queued)
+        if successors > 1 and len(set(left)) == 1:
+            apart = successors * self.costs.at("prefill", 1) - self.costs.at("prefill", successors)
+            once += max(apart, 0.0) * self.scale["target"]
+        return once / sum(left)
+
+    def should_draft(self, requests: Sequence[Request], queued: int = 0) -> bool:
+        """Whether this step's decoding rows (with `queued` requests waiting for a row) draft: yes when drafting pays
+        by each row's survivals at its last draft (a row never drafted: the last draft's mean over rows greedy or
+        sampled as it is; before any such: yes), counting what it costs once (`once_per_token`); otherwise only to
+        probe, after `interval` steps without (probe_every at first, doubled after each draft that did not pay, up to
+        probe_at_most_every, halved after one that did, down to probe_every: a probe costs a draft cycle that
         catches up on the positions since the last, up to a ring's rows, and one that pays by chance at T = 1 should not
         bring back probes every probe_every steps; at batch 8, T = 1 on tiny-v4 halving rather than starting again at
         probe_every took DSpark 3 / 5 scheduled from 0.94 / 0.96x MTP 0 to 0.98 / 0.99x). The estimate of a row never
         drafted is kept apart for greedy and sampled rows: after a sampled phase (drafts that did not pay, the interval
-        at its longest) a greedy request would otherwise not be drafted for up to probe_at_most_every steps."""
+        at its longest) a greedy request would otherwise not be drafted for up to probe_at_most_every steps. After
+        plain steps, drafting must pay its switch too (the module's docstring)."""
         if not requests:
             return False
         estimates = [r.survival if r.survival is not None else self.typical.get(r.params.greedy) for r in requests]
-        if any(s is None for s in estimates) or self.pays(estimates):
-            return True
-        self.since_draft += 1
-        return self.since_draft >= self.interval
+        switching = self.since_draft > 0                 # the last step made no draft call
+        self.once = self.once_per_token(requests, queued)
+        drafting = any(s is None for s in estimates) or self.pays(estimates, switching, self.once)
+        if not drafting:
+            self.since_draft += 1
+            drafting = self.since_draft >= self.interval
+        self.switching = drafting and self.since_draft > 0
+        return drafting
 
     def trim(self, requests: Sequence[Request]) -> None:
-        """After a draft cycle: keep each row's best prefix (its survivals recorded for the next decisions)."""
-        survivals, kinds = [], []
+        """After a draft cycle: keep each row's best prefix (its survivals recorded for the next decisions), or none
+        when the step does not pay by them (a probe, most often: it only refreshes the estimates, and rows in step
+        stay in step)."""
+        survivals, kinds, paid = [], [], False
         for r in requests:
             if r.proposal is not None and r.proposal.confidence is not None:
                 r.survival = survival(r.proposal.confidence)
@@ -169,20 +236,30 @@ class VerifyPlanner:
             padded = [np.pad(s, (0, longest - len(s))) for s in survivals]
             for greedy in set(kinds):
                 self.typical[greedy] = np.mean([s for s, k in zip(padded, kinds) if k == greedy], axis=0)
-            paid = self.pays(survivals)
+            paid = self.pays(survivals, self.switching, self.once)
             self.interval = max(self.probe_every, self.interval // 2) if paid else \
                 min(2 * self.interval, self.probe_at_most_every)
         self.since_draft = 0
-        self.width = self.best_width(survivals)
+        self.width = self.best_width(survivals, self.switching, self.once) if paid else 0
         for r in requests:
             if r.proposal is not None:
                 r.proposal = r.proposal.trimmed(self.width)
 
-    def observe(self, batch: int, drafted: bool, seconds: float) -> None:
-        """A step of `batch` decoding rows and nothing else took `seconds` of engine time (drafting at the last
-        width chosen, or not): move the running ratio of its kind toward measured / profiled."""
-        ratio = seconds / self.profiled_seconds(batch, self.width if drafted else None)
-        self.scale[drafted] += SCALE_RATE * (float(np.clip(ratio, *SCALE_CLIP)) - self.scale[drafted])
+    def observe(self, batch: int, drafted: bool, draft: float, target: float, wall: float) -> None:
+        """A step of `batch` decoding rows and nothing else (drafting at the last width chosen, turning drafting on
+        or not, or a plain decode) took `draft` and `target` seconds in its calls and `wall` in all: move each
+        graph's running ratio toward measured / profiled, and the host's seconds per row of the step's kind toward
+        what the rest took. The first plain decode after drafting is not weighed: its extra is the switch's."""
+        if not drafted and self.since_draft == 1:
+            return
+        profiled = self.profiled_seconds(batch, self.width if drafted else None, drafted and self.switching)
+        for graph, measured, expected in (("draft", draft, profiled[0]), ("target", target, profiled[1])):
+            if expected > 0:
+                ratio = float(np.clip(measured / expected, *SCALE_CLIP))
+                self.scale[graph] += SCALE_RATE * (ratio - self.scale[graph])
+        host = max(wall - draft - target, 0.0) / batch
+        self.host_steps[drafted] += 1
+        self.host[drafted] += max(SCALE_RATE, 1 / self.host_steps[drafted]) * (host - self.host[drafted])
 
 
 class FixedWidth(VerifyPlanner):
@@ -191,7 +268,7 @@ class FixedWidth(VerifyPlanner):
     def __init__(self, drafts: int | None):
         self.drafts, self.since_draft = drafts, 0
 
-    def should_draft(self, requests: Sequence[Request]) -> bool:
+    def should_draft(self, requests: Sequence[Request], queued: int = 0) -> bool:
         return bool(requests) and self.drafts is not None
 
     def trim(self, requests: Sequence[Request]) -> None:
@@ -199,7 +276,7 @@ class FixedWidth(VerifyPlanner):
             if r.proposal is not None:
                 r.proposal = r.proposal.trimmed(self.drafts)
 
-    def observe(self, batch: int, drafted: bool, seconds: float) -> None:
+    def observe(self, batch: int, drafted: bool, draft: float, target: float, wall: float) -> None:
         """The profile measures costs; it has none to correct."""
 
 
@@ -211,19 +288,21 @@ def profile_batches(max_batch: int) -> list[int]:
 
 def profile_step_costs(scheduler: Scheduler, repeats: int = REPEATS) -> StepCosts | None:
     """Measure a step's calls on the scheduler's own engine and pools: at each profile batch, that many requests of
-    random prompts decode with no draft call (steps in a row) and with each fixed verify width in turn, each
-    `repeats` times; the medians.
-    Batches that do not
-    fit its memory budget (or max_seq_len) are left to extrapolation; None when not even batch 1 fits. Leaves the
-    scheduler as it found it: the requests cancelled, the prefix cache untouched."""
+    random prompts are prefilled together, decode with no draft call (steps in a row), then with each fixed verify
+    width in turn (the first drafting step catches the drafter up on the prompts), each `repeats` times, and with all
+    k drafts after SWITCH_AFTER plain steps (the switch), SWITCHES times; the medians. Batches that do not fit its
+    memory budget (or max_seq_len) are left to extrapolation; None when not even batch 1 fits. Leaves the scheduler
+    as it found it: the requests cancelled, the prefix cache untouched."""
     k = scheduler.mtp
     prompt = min(PROFILE_PROMPT, scheduler.max_seq_len // 4)
-    decoded = repeats * ((k + 1) * (k + 2) // 2 + 1) + 3     # tokens a request commits while every call is timed
+    # the most tokens a request commits while every step is timed (at most w + 1 a step): the first, the plain
+    # decodes, each width, the switches, the last plain decode; and room to spare (none may end in the profile)
+    decoded = 1 + (repeats + 1) + repeats * (k + 1) * (k + 2) // 2 + SWITCHES * (SWITCH_AFTER + k + 1) + 1 + 4
     if scheduler.busy or prompt + decoded + k + 1 > scheduler.max_seq_len:
         return None
     rng = np.random.default_rng(0)
     saved = scheduler.planner, scheduler.prefix, scheduler.calls.on_call
-    table: dict[int, tuple[float, list[float]]] = {}
+    table: dict[int, dict[str, Any]] = {}
     try:
         scheduler.prefix = None
         for batch in profile_batches(scheduler.max_batch):
@@ -237,46 +316,61 @@ def profile_step_costs(scheduler: Scheduler, repeats: int = REPEATS) -> StepCost
     if not table:
         return None
     batches = sorted(table)
-    return StepCosts(tuple(batches), *(tuple(table[b][i] for b in batches) for i in range(2)),
-                     tuple(tuple(table[b][2]) for b in batches))
+    column = {name: tuple(table[b][name] for b in batches) for name in table[batches[0]]}
+    return StepCosts(tuple(batches), column["decode"], column["draft"], tuple(tuple(v) for v in column["verify"]),
+                     column["switch"], column["prefill"], column["catch_up"])
 
 
 def _profile_batch(scheduler: Scheduler, batch: int, prompts: np.ndarray, decoded: int, repeats: int
-                   ) -> tuple[float, float, list[float]] | None:
-    """(median plain decode, draft-cycle and verify seconds per width) at `batch` rows, or None if they do not
-    fit."""
+                   ) -> dict[str, Any] | None:
+    """StepCosts' figures at `batch` rows, by field, or None if they do not fit."""
+    k = scheduler.mtp
     params = SamplingParams(max_new_tokens=decoded, ignore_eos=True, temperature=0.0)
     requests = [scheduler.submit([int(t) for t in p], params) for p in prompts]
-    decode: list[float] = []
-    draft: list[float] = []
-    verify: list[list[float]] = [[] for _ in range(scheduler.mtp + 1)]
+    calls: list[tuple[Call, tuple[int, ...], float]] = []
+    scheduler.calls.on_call = lambda kind, shape, seconds: calls.append((kind, shape, seconds))
+    decode, draft, catch_up, verify = [], [], [], [[] for _ in range(k + 1)]
+    switch_on: list[float] = []         # whole drafting steps (all k) after SWITCH_AFTER plain ones
+    switch_back: list[float] = []       # plain decodes right after a drafting step
     try:
         while any(r.phase != Phase.DECODE for r in requests):            # prefill every row
             scheduler.step()
             if scheduler.waiting or any(r.finish_reason is not None for r in requests):
                 return None                                             # they do not all fit at once
+        prefill = sum(s for kind, _, s in calls if kind == Call.PREFILL)
         # plain decodes back to back (as a batch that does not draft runs them; the first, after the prefill, not
-        # kept), then every width in turn
-        plan = [None] * (repeats + 1) + [w for _ in range(repeats) for w in range(scheduler.mtp + 1)]
+        # kept), every width in turn, then switches: plain steps and a drafting step, and a plain step to end
+        plan = [None] * (repeats + 1) + [w for _ in range(repeats) for w in range(k + 1)] + \
+            [w for _ in range(SWITCHES) for w in [None] * SWITCH_AFTER + [k]] + [None]
         for i, drafts in enumerate(plan):
-            calls: list[tuple[Call, tuple[int, ...], float]] = []
+            calls.clear()
             scheduler.planner = FixedWidth(drafts)
-            scheduler.calls.on_call = lambda kind, shape, seconds: calls.append((kind, shape, seconds))
             scheduler.step()
             if len(scheduler.active) != batch or any(r.finish_reason is not None for r in requests):
                 return None
-            draft += [s for kind, shape, s in calls if kind == Call.CYCLE and shape[0] == batch]
             timed = [s for kind, shape, s in calls if kind == Call.VERIFY and shape == (batch, (drafts or 0) + 1)]
-            if drafts is None:
+            if i == repeats + 1:                                        # the first draft cycle: the prompts' catch-up
+                catch_up.append(sum(s for kind, _, s in calls if kind in (Call.EXTEND, Call.CYCLE)))
+            elif drafts is not None and plan[i - 1] is None:
+                switch_on.append(sum(s for _, _, s in calls))
+            elif drafts is None and i > 0 and plan[i - 1] is not None:
+                switch_back += timed
+            elif drafts is None:
                 decode += timed if i else []
             else:
+                draft += [s for kind, shape, s in calls if kind == Call.CYCLE and shape[0] == batch]
                 verify[drafts] += timed
     finally:
         for r in requests:
             scheduler.cancel(r)
-    if not decode or not draft or not all(verify):
+    if not decode or not draft or not all(verify) or not switch_on or not switch_back or not prefill > 0:
         return None
-    return float(np.median(decode)), float(np.median(draft)), [float(np.median(v)) for v in verify]
+    figures = {"decode": float(np.median(decode)), "draft": float(np.median(draft)),
+               "verify": [float(np.median(v)) for v in verify], "prefill": prefill}
+    switch = np.median(switch_on) - figures["draft"] - figures["verify"][k] + np.median(switch_back) - figures["decode"]
+    figures["switch"] = max(float(switch), 0.0)
+    figures["catch_up"] = max(catch_up[0] - figures["draft"], 0.0)
+    return figures
 
 
 # ---------------------------------------------------------------------- the record

@@ -63,7 +63,7 @@ def test_first_two_sampled_tokens_follow_the_target_joint_distribution(tiny_engi
     generator = Generator.from_engine_dir(engine, limits=Limits(max_batch=64), **options)
     if drafter == "dspark-scheduled":       # widths that vary with the drafts' confidence (runtime/verify_schedule.py)
         widths = (tuple(1e-3 + 2e-4 * w for w in range(1, 5)),)      # a draft pays where its survival beats ~0.3
-        generator.scheduler.planner = VerifyPlanner(StepCosts((1,), (1.2e-3,), (1e-4,), widths))
+        generator.scheduler.planner = VerifyPlanner(StepCosts((1,), (1.2e-3,), (1e-4,), widths, (0.0,), (1e-2,), (0.0,)))
     results = generator.generate([prompt] * N, [SamplingParams(max_new_tokens=2, ignore_eos=True, seed=s, **SHAPE,
                                                               **drafts) for s in range(N)])
     observed: dict[tuple[int, int], int] = {}

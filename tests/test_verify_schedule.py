@@ -21,18 +21,22 @@ from v4engine.triton_repo import RenderError, render
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
 
 
-def costs(draft: float, verify_per_token: float, widths: int = 6) -> StepCosts:
+def costs(draft: float, verify_per_token: float, widths: int = 6, switch: float = 0.0, prefill: float = 1e-3,
+          catch_up: float = 0.0) -> StepCosts:
     """A hand-made profile: batches 1 and 8; a target call costs 1 ms plus verify_per_token per row and token (a
-    plain decode as a verify of width 1)."""
+    plain decode as a verify of width 1); turning drafting on costs `switch` more at either batch; a prefill call
+    `prefill` plus 1 ms a prompt (so 8 prompts one by one cost 7 `prefill` more than together); the drafter's
+    catch-up on the prompts of new rows `catch_up` a call."""
     return StepCosts((1, 8), tuple(1e-3 + verify_per_token * b for b in (1, 8)), (draft, 8 * draft),
-                     tuple(tuple(1e-3 + verify_per_token * b * w for w in range(1, widths + 1)) for b in (1, 8)))
+                     tuple(tuple(1e-3 + verify_per_token * b * w for w in range(1, widths + 1)) for b in (1, 8)),
+                     (switch, switch), (prefill + 1e-3, prefill + 8e-3), (catch_up, catch_up))
 
 
 def row(confidence: list[float], params: SamplingParams = GREEDY) -> SimpleNamespace:
     """A decoding request as the planner sees it: its proposal (with confidences), its last survivals, its
-    sampling."""
+    sampling, its tokens so far."""
     return SimpleNamespace(proposal=Proposal(list(range(len(confidence))), confidence=np.array(confidence)),
-                           survival=None, params=params)
+                           survival=None, params=params, generated=[])
 
 
 # ---------------------------------------------------------------------- the choice
@@ -48,7 +52,7 @@ def test_the_chosen_width_maximises_expected_tokens_per_second_by_brute_force(dr
         confidences = [list(rng.uniform(0, 1, 5)) for _ in range(int(rng.integers(1, 9)))]
         S = [survival(np.array(c)) for c in confidences]
         B = len(S)
-        rates = [(B + sum(s[:w].sum() for s in S)) / (planner.costs.draft_at(B) + planner.costs.verify_at(B, w + 1))
+        rates = [(B + sum(s[:w].sum() for s in S)) / (planner.costs.at("draft", B) + planner.costs.verify_at(B, w + 1))
                  for w in range(6)]
         assert rates[planner.best_width(S)] == pytest.approx(max(rates))
 
@@ -71,7 +75,7 @@ def test_trim_keeps_the_best_prefix_of_every_row_and_records_the_survivals():
 
 
 def test_a_batch_whose_drafts_do_not_pay_skips_the_draft_call_but_probes_again():
-    planner = VerifyPlanner(costs(draft=1e-4, verify_per_token=1e-3), probe_every=4)
+    planner = VerifyPlanner(costs(draft=1e-4, verify_per_token=2e-4), probe_every=4)
     rows = [row([0.1] * 5) for _ in range(8)]
     assert planner.should_draft(rows), "a row never drafted drafts"
     planner.trim(rows)                     # that draft did not pay: the next probe waits twice probe_every
@@ -100,18 +104,72 @@ def test_a_greedy_request_after_sampled_ones_that_did_not_pay_is_drafted_at_once
     assert planner.should_draft([row([0.99] * 5)])                            # a new greedy row: the greedy mean
 
 
+def test_turning_drafting_on_must_pay_its_switch_and_keeping_it_on_need_not():
+    """Drafts that pay a step in a run of drafting steps, but not one that first pays the switch: a batch that is
+    drafting goes on drafting, one that is not stays plain until a probe (which, not paying, doubles the wait)."""
+    planner = VerifyPlanner(costs(draft=1e-5, verify_per_token=1e-5, switch=4e-3), probe_every=4)
+    rows = [row([0.6] * 5) for _ in range(8)]
+    planner.trim(rows)                                       # a first draft (never-drafted rows draft)
+    survivals = [r.survival for r in rows]
+    assert planner.pays(survivals) and not planner.pays(survivals, switching=True)
+    assert all(planner.should_draft(rows) for _ in range(3)), "on: drafting goes on"
+    planner.since_draft = 1                                  # a plain step came between
+    assert [planner.should_draft(rows) for _ in range(3)] == [False] * 2 + [True], "off: only the probe drafts"
+    assert planner.switching
+    planner.trim(rows)
+    assert planner.interval == 8, "the probe paid a switch its drafts did not earn"
+    assert planner.should_draft(rows) and not planner.switching, "right after it, drafting goes on"
+    planner.trim(doubtful := [row([0.05] * 5) for _ in range(8)])
+    assert not planner.should_draft(doubtful)
+    planner.observe(8, False, 0.0, 1.0, 1.0)                 # the first plain step after drafting carries the switch
+    assert planner.scale["target"] == 1.0
+    assert not planner.should_draft(doubtful)
+    planner.observe(8, False, 0.0, 1.0, 1.0)                 # the next is weighed
+    assert planner.scale["target"] > 1.0
+
+
+def test_a_probe_whose_drafts_do_not_pay_verifies_none():
+    """Rows that decode in step (a batch admitted together, of one length) stay in step through a probe whose drafts
+    do not pay: it refreshes the estimates and verifies nothing."""
+    planner = VerifyPlanner(costs(draft=1e-4, verify_per_token=2e-4), probe_every=2)
+    rows = [row([0.1] * 5) for _ in range(8)]
+    planner.trim(rows)
+    assert [planner.should_draft(rows) for _ in range(4)] == [False] * 3 + [True]
+    rows = [row([0.6] * 5) for _ in range(8)]          # the probe's drafts: each row's best prefix is not empty...
+    assert planner.best_width([survival(np.array([0.6] * 5))] * 8, switching=True) > 0
+    planner.trim(rows)                                  # ...but the step would not pay
+    assert planner.width == 0 and all(r.proposal.tokens == [] for r in rows)
+
+
+def test_drafting_must_beat_plain_decoding_by_the_margin():
+    planner = VerifyPlanner(costs(draft=1e-4, verify_per_token=2e-4))
+    plain = 8 / planner.step_seconds(8, None)
+    for confidence in np.linspace(0.3, 0.99, 30):
+        survivals = [survival(np.array([confidence] * 5))] * 8
+        best = planner.expected_rate(survivals, planner.best_width(survivals))
+        assert planner.pays(survivals) == (best > verify_schedule.MARGIN * plain)
+    marginal = [survival(np.array([0.88] * 5))] * 8            # 1.06 times plain decoding's tokens/s
+    assert VerifyPlanner(planner.costs, margin=1.0).pays(marginal) and not planner.pays(marginal)
+
+
 def test_steps_as_measured_correct_a_profile_that_no_longer_holds():
-    """A profile taken on a quieter machine: plain decodes really cost three times what it says. Once steps have
-    measured that, drafting pays where by the profile alone it did not; one slow step is not taken at its word."""
-    planner = VerifyPlanner(costs(draft=2e-3, verify_per_token=1e-3))
-    rows = [survival(np.array([0.5] * 5)) for _ in range(8)]
+    """A profile taken on a quieter machine: the target's calls really cost three times what it says. Once plain
+    steps have measured that, drafting (fewer target calls per token) pays where by the profile alone it did not; the
+    draft graph's ratio is its own; the host's work around the calls is kept per row; one slow call is not taken at
+    its word."""
+    planner = VerifyPlanner(costs(draft=1e-4, verify_per_token=1e-4))
+    rows = [survival(np.array([0.7] * 5)) for _ in range(8)]
     assert not planner.pays(rows)
+    decode = planner.profiled_seconds(8, None)[1]
     for _ in range(300):
-        planner.observe(8, False, 3 * planner.profiled_seconds(8, None))
-    assert planner.scale[False] == pytest.approx(3, rel=1e-3) and planner.scale[True] == 1.0
+        planner.observe(8, False, 0.0, 3 * decode, 3 * decode + 8e-4)
+    assert planner.scale == {"target": pytest.approx(3, rel=1e-3), "draft": 1.0}
+    assert planner.host == {True: 0.0, False: pytest.approx(1e-4, rel=1e-3)}
     assert planner.pays(rows)
-    planner.observe(8, True, 1000.0)                 # the host paused: the ratio is clipped, then weighed in
-    assert planner.scale[True] == pytest.approx(1 + verify_schedule.SCALE_RATE * (4 - 1))
+    planner.observe(8, True, 1000.0, 0.0, 1000.0)        # the host paused in the draft call: clipped, then weighed in
+    assert planner.scale["draft"] == pytest.approx(1 + verify_schedule.SCALE_RATE * (4 - 1))
+    planner.observe(8, True, 0.0, 0.0, 8e-3)             # no prior: the first drafting steps' mean
+    assert planner.host[True] == pytest.approx(0.5e-3)
 
 
 # ---------------------------------------------------------------------- the record
@@ -125,10 +183,13 @@ def test_a_recorded_profile_is_read_back_and_a_bad_one_is_measured_again(tmp_pat
     first = recorded_costs("key", 6, measure, tmp_path)
     assert recorded_costs("key", 6, measure, tmp_path) == first and len(measured) == 1
     assert recorded_costs("key", 4, measure, tmp_path) is not None and len(measured) == 2, "another k: measured"
-    good = {"batches": [1], "decode": [1e-3], "draft": [1e-3], "verify": [[1e-3] * 4]}
+    good = {"batches": [1], "decode": [1e-3], "draft": [1e-3], "verify": [[1e-3] * 4], "switch": [0.0],
+            "prefill": [1e-2], "catch_up": [0.0]}
     bad_records = [good | {"draft": [float("nan")]}, good | {"batches": [8, 1], "decode": [1e-3] * 2,
                                                              "draft": [1e-3] * 2, "verify": [[1e-3] * 4] * 2},
                    good | {"draft": [-1.0]}, good | {"decode": [0.0]}, good | {"batches": ["1"]},
+                   good | {"switch": [-1e-3]}, good | {"switch": [1e-3, 1e-3]}, good | {"prefill": [0.0]},
+                   good | {"catch_up": [float("inf")]}, {k: v for k, v in good.items() if k != "catch_up"},
                    {k: v for k, v in good.items() if k != "decode"}, [], "x"]
     for bad in bad_records:
         (tmp_path / "key.json").write_text(json.dumps(bad))
@@ -137,7 +198,8 @@ def test_a_recorded_profile_is_read_back_and_a_bad_one_is_measured_again(tmp_pat
     assert recorded_costs("key", 4, measure, tmp_path) is not None
     assert len(measured) == 2 + len(bad_records) + 1, "every bad record was measured again"
     (tmp_path / "key.json").write_text(json.dumps(good))
-    assert recorded_costs("key", 4, measure, tmp_path) == StepCosts((1,), (1e-3,), (1e-3,), ((1e-3,) * 4,))
+    assert recorded_costs("key", 4, measure, tmp_path) == \
+        StepCosts((1,), (1e-3,), (1e-3,), ((1e-3,) * 4,), (0.0,), (1e-2,), (0.0,))
 
 
 # ---------------------------------------------------------------------- on an engine
@@ -161,7 +223,7 @@ def test_greedy_tokens_are_the_same_with_and_without_it_solo_and_batched(dspark_
     assert [r.token_ids for r in on.generate(ps, GREEDY)] == want
     assert [on.generate([p], GREEDY)[0].token_ids for p in ps] == want
     assert on.totals.accepted > 0
-    assert on.scheduler.planner.scale[True] != 1.0, "its steps were timed against the profile"
+    assert on.scheduler.planner.scale["target"] != 1.0, "its steps were timed against the profile"
 
 
 def test_verifies_shrink_where_the_confidence_says_drafts_will_not_survive(dspark_engine):

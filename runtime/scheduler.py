@@ -270,20 +270,19 @@ class Scheduler:
         self._hold_blocks()
         new_tokens: dict[int, list[int]] = {}
         finished: list[Request] = []
-        draft, target, decoding, drafted = 0.0, 0.0, [], False
+        engine, decoding, drafted = 0.0, [], False
         if self.drafter is not None:
             decoding = [r for r in self.active if r.phase == Phase.DECODE and r.num_draft_tokens]
             drafted = self.planner is None or self.planner.should_draft(decoding, len(self.waiting))
             if drafted:
-                draft = self.drafter.propose(decoding)
+                engine += self.drafter.propose(decoding)
                 if self.planner is not None:
                     self.planner.trim(decoding)
         rows = [r for r in self.active if r.phase in (Phase.PREFILL, Phase.DECODE)]
         if rows:
-            target = self._target(rows, new_tokens)
+            engine += self._target(rows, new_tokens)
         if self.planner is not None and decoding and len(decoding) == len(rows):   # a step the profile times
-            self.planner.observe(len(rows), drafted, draft, target, time.perf_counter() - started)
-        engine = draft + target
+            self.planner.observe(len(rows), drafted, time.perf_counter() - started)
         for r in list(self.active):
             if r.phase == Phase.FINISHED:
                 finished.append(r)

@@ -29,7 +29,7 @@ What a step's calls do not show, measured and counted:
   step. (A drafting step in a run of them verifies its best prefix even so: its cycle is paid.)
 - Drafting must promise MARGIN times plain decoding's tokens per second, not merely more: what is left (a request's
   tail, the cache state a cost was profiled in) is not in the model, and a close call lost more than it won (1.05
-  kept greedy batch 1 where drafting every step is; 1.1 lost a fifth of its gain there).
+  kept greedy batch 1 where drafting every step is; 1.1 lost 12-64% of its gain there).
 benchmarks/RESULTS.md has what each of these moved at batch 8 on tiny-v4.
 
 The profile is a prior: each step of decoding rows alone is timed, its calls and the host's work around them

@@ -30,7 +30,7 @@ What a step's calls do not show, measured and counted:
 - Drafting must promise MARGIN times plain decoding's tokens per second, not merely more: what is left (a request's
   tail, the cache state a cost was profiled in) is not in the model, and a close call lost more than it won (1.05
   kept greedy batch 1 where drafting every step is; 1.1 lost 12-64% of its gain there).
-benchmarks/RESULTS.md has what each of these moved at batch 8 on tiny-v4.
+At batch 8 on tiny-v4 they took scheduled DSpark 5 from 0.92x MTP 0 at T = 1 to 0.98x (benchmarks/RESULTS.md).
 
 The profile is a prior: each step of decoding rows alone is timed, its calls and the host's work around them
 (sampling, verifying, committing: 1-2 ms a plain step at batch 8 on tiny-v4, 3-4 ms a drafting one), and the running

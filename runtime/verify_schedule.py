@@ -29,7 +29,8 @@ What a step's calls do not show, measured and counted:
   step. (A drafting step in a run of them verifies its best prefix even so: its cycle is paid.)
 - Drafting must promise MARGIN times plain decoding's tokens per second, not merely more: what is left (a request's
   tail, the cache state a cost was profiled in) is not in the model, and a close call lost more than it won (1.05
-  kept greedy batch 1 where drafting every step is; 1.1 lost 12-64% of its gain there).
+  kept greedy batch 1 where drafting every step is; 1.1 lost 12-64% of its gain there; chosen on tiny-v4 only,
+  where the other costs are each engine's own profile).
 At batch 8 on tiny-v4 they took scheduled DSpark 5 from 0.92x MTP 0 at T = 1 to 0.98x (benchmarks/RESULTS.md).
 
 The profile is a prior: each step of decoding rows alone is timed, its calls and the host's work around them
@@ -324,7 +325,8 @@ def _profile_batch(scheduler: Scheduler, batch: int, prompts: np.ndarray, decode
     requests = [scheduler.submit([int(t) for t in p], params) for p in prompts]
     calls: list[tuple[Call, tuple[int, ...], float]] = []
     scheduler.calls.on_call = lambda kind, shape, seconds: calls.append((kind, shape, seconds))
-    decode, draft, catch_up, verify = [], [], [], [[] for _ in range(k + 1)]
+    decode, draft, verify = [], [], [[] for _ in range(k + 1)]
+    catch_up = 0.0                      # the first draft cycle's seconds: the drafter catching up on the prompts
     switch_on: list[float] = []         # whole drafting steps (all k) after SWITCH_AFTER plain ones
     switch_back: list[float] = []       # plain decodes right after a drafting step
     try:
@@ -345,7 +347,7 @@ def _profile_batch(scheduler: Scheduler, batch: int, prompts: np.ndarray, decode
                 return None
             timed = [s for kind, shape, s in calls if kind == Call.VERIFY and shape == (batch, (drafts or 0) + 1)]
             if i == repeats + 1:                                        # the first draft cycle: the prompts' catch-up
-                catch_up.append(sum(s for kind, _, s in calls if kind in (Call.EXTEND, Call.CYCLE)))
+                catch_up = sum(s for kind, _, s in calls if kind in (Call.EXTEND, Call.CYCLE))
             elif drafts is not None and plan[i - 1] is None:
                 switch_on.append(sum(s for _, _, s in calls))
             elif drafts is None and i > 0 and plan[i - 1] is not None:
@@ -364,7 +366,7 @@ def _profile_batch(scheduler: Scheduler, batch: int, prompts: np.ndarray, decode
                "verify": [float(np.median(v)) for v in verify], "prefill": prefill}
     switch = np.median(switch_on) - figures["draft"] - figures["verify"][k] + np.median(switch_back) - figures["decode"]
     figures["switch"] = max(float(switch), 0.0)
-    figures["catch_up"] = max(catch_up[0] - figures["draft"], 0.0)
+    figures["catch_up"] = max(catch_up - figures["draft"], 0.0)
     return figures
 
 

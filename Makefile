@@ -9,21 +9,23 @@ TRITON_STAMP := $(TRITON_VENV)/.installed
 
 .PHONY: setup triton-env demo test clean
 
-$(STAMP): pyproject.toml requirements.txt
+$(STAMP): pyproject.toml requirements.txt scripts/ort_headers.py
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0          # the CPU build on disk; never a CUDA one
 	$(PY) -m pip install -q -r requirements.txt
 	$(PY) -m pip install -q --no-deps -e .
+	$(PY) scripts/ort_headers.py                   # what v4engine's CPU kernels compile against
 	touch $(STAMP)
 
 setup: $(STAMP)
 
-$(TRITON_STAMP): pyproject.toml requirements-triton.txt
+$(TRITON_STAMP): pyproject.toml requirements-triton.txt scripts/ort_headers.py
 	test -x $(TRITON_VENV)/bin/python || python3 -m venv $(TRITON_VENV)
 	$(TRITON_VENV)/bin/python -m pip install -q --upgrade pip
 	$(TRITON_VENV)/bin/python -m pip install -q -r requirements-triton.txt
 	$(TRITON_VENV)/bin/python -m pip install -q --no-deps -e .
+	$(TRITON_VENV)/bin/python scripts/ort_headers.py
 	touch $(TRITON_STAMP)
 
 triton-env: $(TRITON_STAMP)

@@ -6,7 +6,10 @@ it is: FP8 block weights written as Q8_0 (whatever `--outtype` says), MXFP4 rout
 into GGUF's MXFP4. All read the same checkpoint, `v4build make-tiny --config slice --quantize mxfp4 --dtype
 bfloat16` (hidden 1024; a sliding, a CSA and an HCA layer; 64 experts top-6), and run batch 1, greedy, two threads:
 - transformers eager (5.23, the oracle), on an fp32 copy of the target dequantized as the engine dequantizes it;
-- v4engine MTP 0 (the target alone, as llama.cpp decodes), own_process=True as v4generate runs it;
+- v4engine MTP 0 (the target alone, as llama.cpp decodes), own_process=True as v4generate runs it, twice: with its
+  dense FP8 and bf16 projections reading the stored bytes in v4engine's kernels (the default,
+  runtime/sessions/stored_weights.py), and on ONNX Runtime's stock kernels over float32 weights (`stored_weights`
+  off), so the kernels' gain is measured in the same run;
 - llama.cpp through llama-cpp-python (its sdist vendors llama.cpp; built here once with -DGGML_NATIVE=ON in a
   venv of its own under --work: about ten minutes on two cores), flash attention off (its default), twice:
   - exact: a GGUF of F32 weights throughout, converted (`--outtype f32`) from the same dequantized fp32 copy in the
@@ -62,7 +65,7 @@ import json, sys, time
 from v4engine.runtime import Generator, SamplingParams
 engine, threads, prompts, new = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4])
 generator = Generator.from_engine_dir(engine, mtp=0, prefix_cache=False, own_process=True,
-                                      backend_options={"threads": threads})
+                                      backend_options={"threads": threads, "stored_weights": sys.argv[5] == "stored"})
 loaded = memory()
 generator.generate([prompts[0][:16]], SamplingParams(max_new_tokens=4, ignore_eos=True))      # warm-up, untimed
 runs = []
@@ -265,8 +268,9 @@ def main() -> None:
     prompts = [rng.integers(2, vocab, args.prompt_tokens).tolist() for _ in range(args.prompts)]
     results: dict[str, list[dict]] = {name: [] for name in SYSTEMS if ggufs or "llama" not in name}
     for _ in range(args.rounds):
-        results["v4engine"].append(child(sys.executable, OURS, engine, args.threads, json.dumps(prompts),
-                                         args.new_tokens))
+        for name, kernels in (("v4engine", "stored"), ("v4engine stock", "stock")):
+            results[name].append(child(sys.executable, OURS, engine, args.threads, json.dumps(prompts),
+                                       args.new_tokens, kernels))
         forced = json.dumps([run["tokens"] for run in results["v4engine"][0]["runs"]])
         results["transformers"].append(child(sys.executable, TRANSFORMERS, hf, args.threads, json.dumps(prompts),
                                              forced))
@@ -278,7 +282,9 @@ def main() -> None:
     report(results, checkpoint.name, args)
 
 
-SYSTEMS = {"transformers": "transformers eager (the oracle)", "v4engine": "**v4engine MTP 0** (ONNX Runtime)",
+SYSTEMS = {"transformers": "transformers eager (the oracle)",
+           "v4engine": "**v4engine MTP 0** (ONNX Runtime, dense weights read as stored)",
+           "v4engine stock": "v4engine MTP 0, ONNX Runtime's stock kernels (dense weights widened to float32)",
            "llama.cpp exact": "llama.cpp, F32 weights",
            "llama.cpp default": "llama.cpp, its default GGUF (FP8 as Q8_0)"}
 

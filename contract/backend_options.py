@@ -79,6 +79,8 @@ class OnnxRuntimeSessionOptions(BackendOptions):
     cuda_graphs: bool | None = None  # replay an engine built --cuda-graphs (default: on the CUDA provider)
     runtime_widening: bool = True    # on the CPU, widen stored weights before the session is made, a group at a time
                                      # (False: ONNX Runtime's constant folding, all at once, with a higher load peak)
+    stored_weights: bool = True      # on the CPU, dense FP8 and bf16 projections read their stored bytes in v4engine's
+                                     # kernels (runtime/sessions/stored_weights.py; False: float32 weights, stock MatMul)
 
 
 @dataclass(frozen=True)

@@ -164,9 +164,9 @@ class Generator:
         backend may take process-wide resources (ONNX Runtime: one spinning thread pool for all its sessions,
         which changes every later ONNX Runtime session of the process). backend_options: the options of the
         engine's backend (contract/backend_options.py; ONNX Runtime: providers, threads, device_pools,
-        cuda_graphs, runtime_widening); one it does not take is refused in one line. draft_sample_method: how a
-        draft graph draws the drafts of sampling requests that name none ("probabilistic", or "greedy": vLLM's
-        option).
+        cuda_graphs, runtime_widening, stored_weights); one it does not take is refused in one line.
+        draft_sample_method: how a draft graph draws the drafts of sampling requests that name none
+        ("probabilistic", or "greedy": vLLM's option).
         confidence_scheduling: verify only the drafts that pay, and draft only when it pays
         (runtime/verify_schedule.py), from costs profiled on this machine the first time an engine is opened with
         these options (a few seconds) and recorded in `step_costs` (a folder; default

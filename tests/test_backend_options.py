@@ -30,7 +30,7 @@ def test_an_option_the_engines_backend_does_not_take_is_refused_in_one_line(tiny
     _, engine = tiny_engine("mixed")
     with pytest.raises(RequestError, match=r"^option 'builder_optimization_level' is not one onnxruntime engines "
                                            r"take \(their session options: providers, threads, device_pools, "
-                                           r"cuda_graphs, runtime_widening\)$"):
+                                           r"cuda_graphs, runtime_widening, stored_weights\)$"):
         Generator.from_engine_dir(engine, backend_options={"builder_optimization_level": 3})
     with pytest.raises(RequestError, match=r"^onnxruntime session option 'threads' must be an integer >= 0 or None "
                                            r"\(got '2'\)$"):

@@ -24,9 +24,11 @@ def test_built_wheel_imports_in_a_fresh_venv(tmp_path):
     (fresh_site / "zz_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     probe = ("import v4engine.builder, v4engine.plugins, v4engine.runtime, sys; "
              "from v4engine.runtime import Generator, GenerationResult, SamplingParams, V4Config; "
-             "print(v4engine.runtime.__file__)")
+             "from v4engine.runtime.sessions import stored_weights; "
+             "print(v4engine.runtime.__file__, stored_weights.SOURCE.is_file())")
     out = subprocess.run([python, "-c", probe], check=True, capture_output=True, text=True, cwd=tmp_path, timeout=60)
     assert str(tmp_path / "env") in out.stdout
+    assert out.stdout.split()[-1] == "True"           # the CPU kernels' source, compiled on first use
 
 
 def test_editable_install_points_at_the_repository():

@@ -10,6 +10,8 @@ Weights widen at load (FP8 and bf16 to float32, MXFP4 to QMoE's int8 codes): on 
 the routed experts before the session is made, a group of weights at a time (widening.py), so loading peaks near
 the resident size; ONNX Runtime's constant folding, which did it all at once (3.6x the resident size at peak on the
 slice), keeps the weights its GEMMs pack, and does everything for a GPU provider and with runtime_widening=False.
+On the CPU, first of all, the dense FP8 and bf16 projections move to v4engine's kernels, which read the stored
+bytes in place (stored_weights.py; stored_weights=False: the stock kernels over float32 weights).
 
 Routed experts stored as MXFP4 run in ONNX Runtime's QMoE as int8 codes, exact only on its fp32 path: the kernel
 reads ORT_QMOE_CPU_QNBIT_GEMM when a session is made, and by default quantizes activations to int8 (1e-2 off).
@@ -59,6 +61,7 @@ from typing import Any
 
 import numpy as np
 import onnxruntime as ort
+from onnx import ModelProto
 
 from v4engine.contract.backend_options import OnnxRuntimeSessionOptions
 from v4engine.contract.backends import OnnxRuntimeCompiled
@@ -72,7 +75,7 @@ from v4engine.contract.untrusted import first_line
 from ..pool_arrays import NUMPY_DTYPES, to_numpy
 from ..sampling import RequestError
 from ..static_calls import StaticCalls
-from . import EngineRunError, EngineSession, checked_outputs
+from . import EngineRunError, EngineSession, checked_outputs, stored_weights
 from .widening import WidenedGraph, widen_weights
 
 QMOE_GEMM = "ORT_QMOE_CPU_QNBIT_GEMM"
@@ -191,11 +194,14 @@ def placement(folder: EngineFolder, manifest: EngineManifest, options: OnnxRunti
     return Placement(providers, gpu, cuda_graphs, cuda_graphs and on_cuda and _records_graph_ids())
 
 
-def session_options(files: dict[str, np.ndarray], threads: int | None, alternating: bool, load_check: bool
-                    ) -> ort.SessionOptions:
+def session_options(files: dict[str, np.ndarray], threads: int | None, alternating: bool, load_check: bool,
+                    kernels: Path | None = None) -> ort.SessionOptions:
     """ONNX Runtime's options for one session: threads (the module doc), the load check's or a run's graph
-    optimizations, and the weight files (location -> bytes: memory maps, widened weights) used in place."""
+    optimizations, the weight files (location -> bytes: memory maps, widened weights) used in place, and v4engine's
+    kernel library where the graph uses it (stored_weights.py)."""
     options = ort.SessionOptions()
+    if kernels is not None:
+        options.register_custom_ops_library(str(kernels))
     options.log_severity_level = 3          # errors only: what goes wrong reaches the caller as one line
     threads = threads or default_threads()
     if _shared_pool:
@@ -214,6 +220,20 @@ def session_options(files: dict[str, np.ndarray], threads: int | None, alternati
         options.add_external_initializers_from_files_in_memory(list(files), list(files.values()),
                                                                [f.nbytes for f in files.values()])
     return options
+
+
+def stored_projections(model: bytes, files: dict[str, np.ndarray] | None = None) -> tuple[bytes, Path | None]:
+    """`model` with its dense FP8 and bf16 projections on v4engine's kernels, and the kernels' library; or `model` as
+    it is and None where it has none or the kernels cannot be built here (said once: stored_weights.py). `files`:
+    the weight files' maps by location."""
+    proto = ModelProto.FromString(model)
+    if not stored_weights.rewrite(proto, files).projections:
+        return model, None
+    kernels = stored_weights.library()
+    if isinstance(kernels, str):
+        stored_weights.warn_unavailable(kernels)
+        return model, None
+    return proto.SerializeToString(), kernels
 
 
 class OnnxRuntimeSession(EngineSession):
@@ -238,7 +258,9 @@ class OnnxRuntimeSession(EngineSession):
         options.cuda_graphs: run the per-token calls of an engine built with --cuda-graphs as recorded graphs (None:
         when it was, on the CUDA provider; True on the CPU provider: the same static buffers, nothing recorded).
         options.runtime_widening: on the CPU, the routed experts' stored weights are widened here before the
-        session is made (widening.py; False: all by ONNX Runtime's constant folding, at once). `alternating`: this
+        session is made (widening.py; False: all by ONNX Runtime's constant folding, at once).
+        options.stored_weights: on the CPU, dense FP8 and bf16 projections read their stored bytes in v4engine's
+        kernels (stored_weights.py). `alternating`: this
         session takes turns with another (target and draft graph). Then, on a pool of its own, its idle threads
         must not spin: two spinning pools on the same cores made MTP = 3 slower than no drafting
         (0.73x). options.threads and `alternating` mean nothing once the process shares one pool (own_process).
@@ -250,6 +272,9 @@ class OnnxRuntimeSession(EngineSession):
         self._recording = place.recording
         weights = folder.map_weights(manifest.weights)
         model = read_graph(folder, entry, weights)          # checked first: its refusals name the field at fault
+        kernels = None
+        if options.stored_weights and place.gpu is None and not load_check:
+            model, kernels = stored_projections(model, weights.maps)
         try:
             with _moe_activations(manifest.compiled):
                 widened = WidenedGraph(model)
@@ -258,7 +283,7 @@ class OnnxRuntimeSession(EngineSession):
                         files, options.threads, alternating, load_check), folder.directory / entry.file)
                 files = {**weights.maps, **widened.buffers}
                 self._session = self._load(widened.model, session_options(files, options.threads, alternating,
-                                                                          load_check),
+                                                                          load_check, kernels),
                                            place.providers, folder.directory / entry.file)
         except EngineFormatError:
             raise

@@ -119,7 +119,8 @@ def _cone_reads(name: str, producer: dict[str, NodeProto], reads_file: set[str])
     return any(i in reads_file for node in _cone(name, producer) for i in node.input)
 
 
-def _nbytes(tensor: TensorProto) -> int:
+def stored_nbytes(tensor: TensorProto) -> int:
+    """An initializer's bytes as stored (its external data's length, or its raw bytes)."""
     for entry in tensor.external_data:
         if entry.key == "length":
             return int(entry.value)
@@ -132,7 +133,7 @@ def _groups(wanted: list[str], producer: dict[str, NodeProto], initializers: dic
     bytes each group reads."""
     groups = [([], 0)]
     for name in wanted:
-        reads = sum(_nbytes(initializers[i]) for i in {i for n in _cone(name, producer) for i in n.input}
+        reads = sum(stored_nbytes(initializers[i]) for i in {i for n in _cone(name, producer) for i in n.input}
                     if i in initializers)
         if groups[-1][0] and groups[-1][1] + reads > GROUP_BYTES:
             groups.append(([], 0))

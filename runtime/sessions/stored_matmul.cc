@@ -1,0 +1,301 @@
+// ONNX Runtime CPU custom ops that multiply by weights kept as the checkpoint stores them (runtime/sessions/
+// stored_weights.py rewrites an engine's graph to use them, and builds this file).
+//
+//   v4engine.cpu::E4m3MatMul(X [..., K] float, W [N, K] uint8 e4m3 bytes, S [N, K / block] float) -> [..., N]
+//   v4engine.cpu::Bf16MatMul(X [..., K] float, W [N, K] uint16 bf16 bits)                          -> [..., N]
+//
+// Y = X W^T with W widened exactly inside the kernel: an e4m3 value times its block's scale, or a bf16 value, is a
+// float32 exactly, the very value ONNX Runtime's DequantizeLinear or Cast would have made, so only the order of the
+// float32 sums differs from the stock MatMul over widened weights. ONNX Runtime's stock CPU kernels take float32
+// weights only (MLAS's SGEMM): 4 bytes a weight read per token where the checkpoint stores 1 or 2.
+//
+// The output columns are split into tasks of about TASK_WEIGHTS weights over ONNX Runtime's intra-op pool
+// (KernelContext_ParallelFor), and taken ROWS at a time. Up to 8 rows of X (a decode, a verify at batch 1) multiply
+// the weights as they widen, in vector accumulators: each stored byte is read once per call. More rows (a prefill
+// chunk, a batch's verify) widen the ROWS weight rows into a float32 buffer of the thread first, then ROWS_X rows of X
+// at a time multiply it: one widening serves every token of the call. (That product runs at about half the speed
+// of MLAS's SGEMM on the same float32 weights: a prefill pays for what a decode saves.)
+#define ORT_API_MANUAL_INIT
+#include <onnxruntime_cxx_api.h>
+#undef ORT_API_MANUAL_INIT
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <vector>
+
+namespace {
+
+constexpr int64_t LANES = 16;     // floats in a vector
+constexpr int64_t ROWS = 4;       // weight rows (output columns) widened together
+constexpr int64_t ROWS_X = 6;     // rows of X per pass over a widened group: 6 x 4 accumulators in registers
+constexpr int64_t TASK_WEIGHTS = 1 << 16;   // weights per task of the intra-op pool, about (fewer tasks, less overhead)
+
+typedef float vf __attribute__((vector_size(LANES * 4)));
+typedef int32_t vi __attribute__((vector_size(LANES * 4)));
+typedef uint8_t vb __attribute__((vector_size(LANES)));
+typedef uint16_t vh __attribute__((vector_size(LANES * 2)));
+
+inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+
+// 16 e4m3 bytes (1 sign, 4 exponent bits of bias 7, 3 mantissa bits) as floats 2^-8 times their value: the bits
+// moved into a half's places (5 exponent bits of bias 15, 10 mantissa bits) make a half of that value exactly, the
+// subnormals (exponent 0, m 2^-9) included, and the CPU widens halves to floats exactly. The 2^8 goes into the
+// block's scale. S.1111.111 (NaN) would read as 240: a weight holding it is not given to these kernels (the
+// rewrite checks).
+inline vf e4m3_over_256(const uint8_t* p) {
+  vb bytes; std::memcpy(&bytes, p, sizeof bytes);
+  vh b = __builtin_convertvector(bytes, vh);
+  vh bits = ((b & 0x7F) << 7) | ((b & 0x80) << 8);
+  __m256i halves; std::memcpy(&halves, &bits, sizeof halves);
+#if defined(__AVX512F__)
+  return (vf)_mm512_maskz_cvtph_ps(0xFFFF, halves);        // (the unmasked form trips a spurious GCC warning)
+#else      // F16C: two halves of eight (GCC widens a _Float16 vector one lane at a time)
+  __m256 low = _mm256_cvtph_ps(_mm256_castsi256_si128(halves));
+  __m256 high = _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1));
+  vf out; std::memcpy(&out, &low, 32); std::memcpy(reinterpret_cast<char*>(&out) + 32, &high, 32);
+  return out;
+#endif
+}
+
+inline float e4m3_scalar(uint8_t b) {
+  int e = (b >> 3) & 15, m = b & 7;
+  float v = (b & 0x7F) == 0x7F ? NAN : e == 0 ? m / 512.0f : std::ldexp(1.0f + m / 8.0f, e - 7);
+  return (b & 0x80) ? -v : v;
+}
+
+inline vf bf16(const uint16_t* p) {
+  vh half; std::memcpy(&half, p, sizeof half);
+  return (vf)(__builtin_convertvector(half, vi) << 16);
+}
+
+inline float bf16_scalar(uint16_t h) {
+  uint32_t bits = uint32_t(h) << 16;
+  float v;
+  std::memcpy(&v, &bits, 4);
+  return v;
+}
+
+// The weight rows of each format, 16 columns at a time (`chunk`, k a multiple of 16 inside one scale block) or one
+// (`at`), widened to the float32 values DequantizeLinear or Cast makes.
+struct E4m3Rows {
+  const uint8_t* w;
+  const float* scale;      // [N, blocks]
+  int64_t K, block, blocks;
+  vf chunk(int64_t n, int64_t k) const {
+    return e4m3_over_256(w + n * K + k) * (scale[n * blocks + k / block] * 256.0f);
+  }
+  float at(int64_t n, int64_t k) const { return e4m3_scalar(w[n * K + k]) * scale[n * blocks + k / block]; }
+};
+
+struct Bf16Rows {
+  const uint16_t* w;
+  int64_t K;
+  vf chunk(int64_t n, int64_t k) const { return bf16(w + n * K + k); }
+  float at(int64_t n, int64_t k) const { return bf16_scalar(w[n * K + k]); }
+};
+
+inline float sum(vf v) {
+  float s = 0;
+  for (int i = 0; i < LANES; ++i) s += v[i];
+  return s;
+}
+
+// Y[m, n0 + j] for m < R, j < rows (at most J), the weights widened as they are read: X's R rows against J weight
+// rows in R x J accumulators (at most 16 of the 32 vector registers). What a decode and a verify take (M <= 8).
+template <int64_t R, int64_t J, class Rows>
+void fused(const float* x, int64_t K, const Rows& w, int64_t n0, int64_t rows, float* y, int64_t N) {
+  int64_t body = K - K % LANES;
+  vf acc[R][J] = {};
+  for (int64_t k = 0; k < body; k += LANES) {
+    vf wk[J];
+    for (int64_t j = 0; j < J; ++j) wk[j] = j < rows ? w.chunk(n0 + j, k) : vf{};
+    for (int64_t r = 0; r < R; ++r) {
+      vf xv = load(x + r * K + k);
+      for (int64_t j = 0; j < J; ++j) acc[r][j] += xv * wk[j];
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < rows; ++j) {
+      float s = sum(acc[r][j]);
+      for (int64_t k = body; k < K; ++k) s += x[r * K + k] * w.at(n0 + j, k);
+      y[r * N + n0 + j] = s;
+    }
+}
+
+// ROWS columns for R rows of X, R x ROWS accumulators at most 16: in one pass, or two of ROWS / 2 columns.
+template <int64_t R, class Rows>
+void fused_columns(const float* x, int64_t K, const Rows& w, int64_t n0, int64_t rows, float* y, int64_t N) {
+  if constexpr (R * ROWS <= 16) {
+    fused<R, ROWS>(x, K, w, n0, rows, y, N);
+  } else {
+    constexpr int64_t half = ROWS / 2;
+    fused<R, half>(x, K, w, n0, std::min(rows, half), y, N);
+    if (rows > half) fused<R, half>(x, K, w, n0 + half, rows - half, y, N);
+  }
+}
+
+// ROWS output columns for more than 8 rows of X (a prefill chunk, a batch's verify): the ROWS weight rows widened
+// once into `wide` (stride K), then ROWS_X rows of X at a time against them.
+template <int64_t R>
+void buffered(const float* x, int64_t M, int64_t K, const float* wide, int64_t rows, float* y, int64_t N, int64_t n0) {
+  int64_t body = K - K % LANES;
+  int64_t m = 0;
+  for (; m + R <= M; m += R) {
+    vf acc[R][ROWS] = {};
+    for (int64_t k = 0; k < body; k += LANES) {
+      vf w[ROWS];
+      for (int64_t j = 0; j < ROWS; ++j) w[j] = load(wide + j * K + k);
+      for (int64_t r = 0; r < R; ++r) {
+        vf xv = load(x + (m + r) * K + k);
+        for (int64_t j = 0; j < ROWS; ++j) acc[r][j] += xv * w[j];
+      }
+    }
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t j = 0; j < rows; ++j) {
+        float s = sum(acc[r][j]);
+        for (int64_t k = body; k < K; ++k) s += x[(m + r) * K + k] * wide[j * K + k];
+        y[(m + r) * N + n0 + j] = s;
+      }
+  }
+  if (m < M) buffered<1>(x + m * K, M - m, K, wide, rows, y + m * N, N, n0);
+}
+
+template <class Rows>
+void widened(const float* x, int64_t M, int64_t K, const Rows& w, int64_t n0, int64_t rows, float* y, int64_t N) {
+  thread_local std::vector<float> wide;
+  if (int64_t(wide.size()) < ROWS * K) wide.resize(ROWS * K);
+  int64_t body = K - K % LANES;
+  for (int64_t j = 0; j < rows; ++j) {
+    for (int64_t k = 0; k < body; k += LANES) store(wide.data() + j * K + k, w.chunk(n0 + j, k));
+    for (int64_t k = body; k < K; ++k) wide[j * K + k] = w.at(n0 + j, k);
+  }
+  buffered<ROWS_X>(x, M, K, wide.data(), rows, y, N, n0);
+}
+
+// ROWS output columns for up to 8 rows of X (a decode, a verify of k + 1 at batch 1).
+template <class Rows>
+void fused_rows(const float* x, int64_t M, int64_t K, const Rows& w, int64_t n0, int64_t rows, float* y, int64_t N) {
+  switch (M) {
+    case 1: return fused_columns<1>(x, K, w, n0, rows, y, N);
+    case 2: return fused_columns<2>(x, K, w, n0, rows, y, N);
+    case 3: return fused_columns<3>(x, K, w, n0, rows, y, N);
+    case 4: return fused_columns<4>(x, K, w, n0, rows, y, N);
+    case 5: return fused_columns<5>(x, K, w, n0, rows, y, N);
+    case 6: return fused_columns<6>(x, K, w, n0, rows, y, N);
+    case 7: return fused_columns<7>(x, K, w, n0, rows, y, N);
+    default: return fused_columns<8>(x, K, w, n0, rows, y, N);
+  }
+}
+
+template <class Rows>
+void columns(const float* x, int64_t M, int64_t K, const Rows& w, int64_t first, int64_t last, float* y, int64_t N) {
+  for (int64_t n0 = first; n0 < last; n0 += ROWS) {
+    int64_t rows = std::min(ROWS, last - n0);
+    if (M > 8) widened(x, M, K, w, n0, rows, y, N);
+    else fused_rows(x, M, K, w, n0, rows, y, N);
+  }
+}
+
+struct Work {
+  const float* x;
+  float* y;
+  int64_t M, K, N, groups_per_task;
+  E4m3Rows e4m3;
+  Bf16Rows bf16;
+  bool is_e4m3;
+};
+
+// One task: groups_per_task groups of ROWS output columns.
+void task(void* data, size_t index) {
+  const Work& work = *static_cast<const Work*>(data);
+  int64_t first = int64_t(index) * work.groups_per_task * ROWS;
+  int64_t last = std::min(work.N, first + work.groups_per_task * ROWS);
+  if (work.is_e4m3) columns(work.x, work.M, work.K, work.e4m3, first, last, work.y, work.N);
+  else columns(work.x, work.M, work.K, work.bf16, first, last, work.y, work.N);
+}
+
+struct Kernel {
+  bool is_e4m3;
+  int64_t block = 0;
+
+  Kernel(const OrtKernelInfo* info, bool e4m3) : is_e4m3(e4m3) {
+    if (e4m3) block = Ort::ConstKernelInfo(info).GetAttribute<int64_t>("block_size");
+  }
+
+  void Compute(OrtKernelContext* raw) {
+    Ort::KernelContext context(raw);
+    Ort::ConstValue X = context.GetInput(0), W = context.GetInput(1);
+    std::vector<int64_t> xs = X.GetTensorTypeAndShapeInfo().GetShape(), ws = W.GetTensorTypeAndShapeInfo().GetShape();
+    if (ws.size() != 2 || xs.empty() || xs.back() != ws[1])
+      ORT_CXX_API_THROW("v4engine.cpu matmul: X [..., K] and W [N, K] disagree", ORT_INVALID_ARGUMENT);
+    Work work{};
+    work.K = ws[1];
+    work.N = ws[0];
+    work.M = 1;
+    for (size_t i = 0; i + 1 < xs.size(); ++i) work.M *= xs[i];
+    work.is_e4m3 = is_e4m3;
+    if (is_e4m3) {
+      std::vector<int64_t> ss = context.GetInput(2).GetTensorTypeAndShapeInfo().GetShape();
+      int64_t blocks = block > 0 ? (work.K + block - 1) / block : 0;
+      if (block <= 0 || block % LANES || ss.size() != 2 || ss[0] != work.N || ss[1] != blocks)
+        ORT_CXX_API_THROW("E4m3MatMul: block_size is not a multiple of 16, or S is not [N, ceil(K / block_size)]",
+                          ORT_INVALID_ARGUMENT);
+      work.e4m3 = {W.GetTensorData<uint8_t>(), context.GetInput(2).GetTensorData<float>(), work.K, block, blocks};
+    } else {
+      work.bf16 = {W.GetTensorData<uint16_t>(), work.K};
+    }
+    std::vector<int64_t> ys(xs.begin(), xs.end() - 1);
+    ys.push_back(work.N);
+    Ort::UnownedValue Y = context.GetOutput(0, ys);
+    work.x = X.GetTensorData<float>();
+    work.y = Y.GetTensorMutableData<float>();
+    if (work.M == 0 || work.N == 0) return;
+    if (work.K == 0) {
+      std::memset(work.y, 0, sizeof(float) * work.M * work.N);
+      return;
+    }
+    int64_t groups = (work.N + ROWS - 1) / ROWS;
+    work.groups_per_task = std::max<int64_t>(1, TASK_WEIGHTS / (ROWS * work.K));
+    size_t tasks = size_t((groups + work.groups_per_task - 1) / work.groups_per_task);
+    Ort::ThrowOnError(Ort::GetApi().KernelContext_ParallelFor(raw, task, tasks, 0, &work));
+  }
+};
+
+template <bool E4M3>
+struct Op : Ort::CustomOpBase<Op<E4M3>, Kernel> {
+  void* CreateKernel(const OrtApi&, const OrtKernelInfo* info) const { return new Kernel(info, E4M3); }
+  const char* GetName() const { return E4M3 ? "E4m3MatMul" : "Bf16MatMul"; }
+  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
+  size_t GetInputTypeCount() const { return E4M3 ? 3 : 2; }
+  ONNXTensorElementDataType GetInputType(size_t index) const {
+    if (index == 1) return E4M3 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT16;
+    return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  size_t GetOutputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+};
+
+Op<true> e4m3_op;
+Op<false> bf16_op;
+
+}  // namespace
+
+extern "C" __attribute__((visibility("default")))
+OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
+  Ort::InitApi(api_base->GetApi(ORT_API_VERSION));
+  try {
+    Ort::CustomOpDomain domain{"v4engine.cpu"};
+    domain.Add(&e4m3_op);
+    domain.Add(&bf16_op);
+    Ort::UnownedSessionOptions(options).Add(domain);
+    domain.release();       // ONNX Runtime reads the domain for as long as sessions made with it live
+  } catch (const Ort::Exception& e) {
+    return Ort::GetApi().CreateStatus(e.GetOrtErrorCode(), e.what());
+  }
+  return nullptr;
+}

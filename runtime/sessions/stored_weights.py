@@ -1,0 +1,220 @@
+"""Dense projections that read their weights as the checkpoint stores them, on ONNX Runtime's CPU provider.
+
+An engine's graph widens an FP8 projection's weight with a blocked DequantizeLinear and a bf16 one with a Cast,
+then multiplies by it (MatMul of its transpose, or Gemm with transB). ONNX Runtime folds the widening at load and
+its GEMMs read float32: 4 bytes a weight, read again every token, where the checkpoint stores 1 (e4m3) or 2 (bf16);
+a decode at batch 1 is bound by those reads. Here, before a CPU session is made, each such chain becomes one node
+of v4engine's kernels (stored_matmul.cc: `E4m3MatMul`, `Bf16MatMul`) reading the stored bytes in place, memory-mapped
+from the checkpoint's files, and widening them inside: a value of e4m3 times its power-of-two block scale, or of bf16,
+is a float32 exactly, the one DequantizeLinear or Cast makes, so only the order of the float32 sums changes.
+
+The kernels are an ONNX Runtime custom-op library, compiled on first use with the machine's C++ compiler against
+ONNX Runtime's C API headers (`make setup` puts them in the virtual environment: scripts/ort_headers.py), and kept
+in the cache folder under a name that hashes the source, the headers and the compiler. Where either is missing the
+graph is left as it is (stock kernels, float32 weights), with one warning naming what is missing.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from onnx import ModelProto, NodeProto, TensorProto, helper, numpy_helper
+
+from .widening import stored_nbytes
+
+DOMAIN = "v4engine.cpu"
+SOURCE = Path(__file__).with_name("stored_matmul.cc")
+HEADERS = "V4ENGINE_ORT_INCLUDE"        # the folder of onnxruntime_cxx_api.h (default: sys.prefix/include/onnxruntime)
+CACHE_DIR = "V4ENGINE_CACHE_DIR"        # where the compiled library is kept (default ~/.cache/v4engine)
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC", "-shared", "-fvisibility=hidden")
+LANES = 16                              # columns the kernels widen at once: an FP8 scale block must hold whole ones
+STORED = {TensorProto.FLOAT8E4M3FN: ("E4m3MatMul", TensorProto.UINT8),
+          TensorProto.BFLOAT16: ("Bf16MatMul", TensorProto.UINT16)}    # stored type -> kernel, the bytes' type
+_lock = threading.Lock()
+_built: dict[str, Path | str] = {}     # cache key -> the library, or why there is none
+
+
+@dataclass
+class Rewritten:
+    """What `rewrite` did: projections moved to the kernels, by stored type, and the stored bytes they read."""
+
+    projections: dict[str, int]
+    stored_bytes: int
+
+
+def headers() -> Path | None:
+    folder = Path(os.environ.get(HEADERS) or Path(sys.prefix) / "include" / "onnxruntime")
+    return folder if (folder / "onnxruntime_cxx_api.h").is_file() else None
+
+
+def library() -> Path | str:
+    """The compiled kernels (built now if this source, these headers and this compiler have none yet), or a line
+    saying why there are none."""
+    include, compiler = headers(), os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if include is None:
+        return (f"no ONNX Runtime C API headers in {os.environ.get(HEADERS) or Path(sys.prefix) / 'include'} "
+                "(make setup fetches them: scripts/ort_headers.py)")
+    if compiler is None:
+        return "no C++ compiler (g++) on the PATH"
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    for part in (*sorted(p.read_bytes() for p in include.glob("*.h")), compiler.encode(), " ".join(FLAGS).encode()):
+        digest.update(part)
+    key = digest.hexdigest()[:16]
+    with _lock:
+        if key not in _built:
+            _built[key] = _compile(compiler, include, key)
+        return _built[key]
+
+
+def _compile(compiler: str, include: Path, key: str) -> Path | str:
+    folder = Path(os.environ.get(CACHE_DIR) or Path.home() / ".cache" / "v4engine")
+    target = folder / f"stored_matmul-{key}.so"
+    if target.is_file():
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:         # compiled aside, then renamed: atomic for readers
+        built = Path(tmp) / target.name
+        run = subprocess.run([compiler, *FLAGS, f"-I{include}", str(SOURCE), "-o", str(built)],
+                             capture_output=True, text=True)
+        if run.returncode != 0:
+            return f"{compiler} could not compile {SOURCE.name}: {(run.stderr.strip().splitlines() or ['?'])[0]}"
+        os.replace(built, target)
+    return target
+
+
+def rewrite(model: ModelProto, files: Mapping[str, np.ndarray] | None = None) -> Rewritten:
+    """Move every dense projection over a stored FP8 or bf16 weight to the kernels, in place (the module doc): a
+    DequantizeLinear (axis 1, blocked by a multiple of 16) or Cast to float of a 2-D initializer read by nothing else,
+    then a Transpose read only by a MatMul's second input, or a Gemm (transB, no bias, alpha 1) reading it as B.
+    An FP8 weight holding a NaN code, or with a scale of 2^100 or more, stays with the stock kernels (the e4m3
+    kernel reads neither). `files`: the in-memory weight files external initializers point into (location ->
+    bytes)."""
+    graph = model.graph
+    initializers = {t.name: t for t in graph.initializer}
+    readers: dict[str, list[NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    outputs = {o.name for o in graph.output}
+    gone, added, done = set(), {}, Rewritten({}, 0)
+    for node in graph.node:
+        weight = _stored_weight(node, initializers, readers, outputs)
+        if weight is None or not _e4m3_kernel_reads(node, initializers, files or {}):
+            continue
+        chain = _projection(node.output[0], readers, outputs)
+        if chain is None:
+            continue
+        stored = initializers[weight]
+        op, bytes_type = STORED[stored.data_type]
+        x, y = chain[-1].input[0], chain[-1].output[0]
+        attributes = {"block_size": _attribute(node, "block_size")} if op == "E4m3MatMul" else {}
+        added[id(chain[-1])] = helper.make_node(op, [x, *node.input[: 2 if op == "E4m3MatMul" else 1]], [y],
+                                                name=f"{y}.stored", domain=DOMAIN, **attributes)
+        gone.update(id(n) for n in (node, *chain[:-1]))
+        stored.data_type = bytes_type                  # the same bytes, read as what they are to the kernel
+        done.projections[op] = done.projections.get(op, 0) + 1
+        done.stored_bytes += stored_nbytes(stored)
+    if added:
+        kept = [added.get(id(n), n) for n in graph.node if id(n) not in gone]
+        del graph.node[:]
+        graph.node.extend(kept)
+        if all(o.domain != DOMAIN for o in model.opset_import):
+            model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    return done
+
+
+def _stored_weight(node: NodeProto, initializers: dict[str, TensorProto], readers: dict[str, list[NodeProto]],
+                   outputs: set[str]) -> str | None:
+    """The stored weight `node` widens to float32 alone (the name of a 2-D e4m3 or bf16 initializer), or None."""
+    if node.domain not in ("", "ai.onnx") or not node.input or node.output[0] in outputs:
+        return None
+    weight = initializers.get(node.input[0])
+    if weight is None or weight.data_type not in STORED or len(weight.dims) != 2 or len(readers[weight.name]) != 1:
+        return None
+    if node.op_type == "Cast":
+        return weight.name if weight.data_type == TensorProto.BFLOAT16 and _attribute(node, "to") == TensorProto.FLOAT \
+            else None
+    if node.op_type != "DequantizeLinear" or weight.data_type != TensorProto.FLOAT8E4M3FN or len(node.input) != 2:
+        return None
+    scale = initializers.get(node.input[1])
+    block = _attribute(node, "block_size")
+    if scale is None or scale.data_type != TensorProto.FLOAT or _attribute(node, "axis") not in (1, -1) or not block \
+            or block % LANES \
+            or list(scale.dims) != [weight.dims[0], -(-weight.dims[1] // block)]:
+        return None
+    return weight.name
+
+
+def _e4m3_kernel_reads(node: NodeProto, initializers: dict[str, TensorProto], files: Mapping[str, np.ndarray]
+                       ) -> bool:
+    """Whether the e4m3 kernel computes this widening exactly (anything else: yes): no NaN code among the weight's
+    bytes (it would read as 240, not NaN), no scale at or above 2^100 (the kernel multiplies it by 2^8 first)."""
+    if node.op_type != "DequantizeLinear":
+        return True
+    codes = _bytes(initializers[node.input[0]], files)
+    scales = _bytes(initializers[node.input[1]], files).view(np.float32)
+    return not np.any((codes & 0x7F) == 0x7F) and bool(np.all(np.abs(scales) < 2.0 ** 100))
+
+
+def _bytes(tensor: TensorProto, files: Mapping[str, np.ndarray]) -> np.ndarray:
+    """An initializer's stored bytes, in place."""
+    if tensor.data_location != TensorProto.EXTERNAL:
+        return np.ascontiguousarray(numpy_helper.to_array(tensor)).reshape(-1).view(np.uint8)
+    entry = {e.key: e.value for e in tensor.external_data}
+    start = int(entry.get("offset", 0))
+    return files[entry["location"]][start:start + int(entry["length"])]
+
+
+def _projection(widened: str, readers: dict[str, list[NodeProto]], outputs: set[str]) -> list[NodeProto] | None:
+    """The nodes that multiply by the widened weight [N, K] as X W^T, the product last: [Transpose, MatMul] or
+    [Gemm]; None for any other use."""
+    users = readers.get(widened, [])
+    if widened in outputs or len(users) != 1 or users[0].domain not in ("", "ai.onnx"):
+        return None
+    user = users[0]
+    if user.op_type == "Gemm":
+        plain = (len(user.input) == 2 or not user.input[2]) and user.input[1] == widened and user.input[0] != widened
+        ok = plain and _attribute(user, "transB") == 1 and not _attribute(user, "transA") \
+            and _attribute(user, "alpha") in (None, 1.0)
+        return [user] if ok else None
+    if user.op_type != "Transpose" or _attribute(user, "perm") not in (None, [1, 0]) or user.output[0] in outputs:
+        return None
+    products = readers.get(user.output[0], [])
+    if len(products) != 1:
+        return None
+    product = products[0]
+    if product.op_type != "MatMul" or product.domain not in ("", "ai.onnx") \
+            or list(product.input) != [product.input[0], user.output[0]] or product.input[0] == user.output[0]:
+        return None
+    return [user, product]
+
+
+def _attribute(node: NodeProto, name: str):
+    for a in node.attribute:
+        if a.name == name:
+            return helper.get_attribute_value(a)
+    return None
+
+
+_warned = False
+
+
+def warn_unavailable(reason: str) -> None:
+    """Say once per process that the kernels are off, and why."""
+    global _warned
+    if _warned:
+        return
+    _warned = True
+    warnings.warn(f"v4engine's stored-weight kernels are off: {reason}; dense projections read float32 weights "
+                  "(exact, slower, more memory)", RuntimeWarning, stacklevel=3)

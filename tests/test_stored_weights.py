@@ -1,0 +1,194 @@
+"""Dense projections over stored FP8 and bf16 weights on v4engine's CPU kernels (runtime/sessions/stored_weights.py):
+ONNX Runtime's own values (its DequantizeLinear or Cast, then its MatMul or Gemm) up to the order of float32 sums,
+only the chains the kernels compute rewritten, and the stock graph where the kernels cannot be built."""
+import ml_dtypes
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import ModelProto, TensorProto, helper
+
+from v4engine.runtime.generator import Generator
+from v4engine.runtime.sampling import SamplingParams
+from v4engine.runtime.sessions import stored_weights
+from v4engine.runtime.sessions.onnxruntime import stored_projections
+
+E4M3, BF16 = TensorProto.FLOAT8E4M3FN, TensorProto.BFLOAT16
+
+
+NAN_CODES = (0x7F, 0xFF)                     # e4m3's S.1111.111
+CODES = np.array([c for c in range(256) if c not in NAN_CODES], np.uint8)
+
+
+def e4m3_bytes(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
+    """Every e4m3 code but NaN, subnormals and both zeros included, spread over [n, k]."""
+    return rng.permutation(np.resize(CODES, n * k)).reshape(n, k)
+
+
+def projection(stored: int, x_shape: list[int], n: int, k: int, rng: np.random.Generator, gemm: bool = False,
+               block: int = 128) -> ModelProto:
+    """X [..., k] times a stored weight [n, k] as the exporter writes it: widened (blocked DequantizeLinear with its
+    float32 scales, or Cast), then Transpose and MatMul, or Gemm with transB."""
+    if stored == E4M3:
+        weight = helper.make_tensor("w", E4M3, [n, k], e4m3_bytes(rng, n, k).tobytes(), raw=True)
+        scales = (2.0 ** rng.integers(-8, 4, (n, -(-k // block)))).astype(np.float32)
+        scales[0, 0] = 0.37                                         # a scale that is not a power of two
+        nodes = [helper.make_node("DequantizeLinear", ["w", "s"], ["wide"], axis=1, block_size=block)]
+        initializers = [weight, helper.make_tensor("s", TensorProto.FLOAT, scales.shape, scales.ravel())]
+    else:
+        values = rng.standard_normal((n, k)).astype(ml_dtypes.bfloat16)
+        weight = helper.make_tensor("w", BF16, [n, k], values.view(np.uint16).tobytes(), raw=True)
+        nodes = [helper.make_node("Cast", ["w"], ["wide"], to=TensorProto.FLOAT)]
+        initializers = [weight]
+    if gemm:
+        nodes.append(helper.make_node("Gemm", ["x", "wide"], ["y"], transB=1))
+    else:
+        nodes += [helper.make_node("Transpose", ["wide"], ["wide_t"], perm=[1, 0]),
+                  helper.make_node("MatMul", ["x", "wide_t"], ["y"])]
+    graph = helper.make_graph(nodes, "projection", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializers)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
+
+
+def run(model: bytes, x: np.ndarray, library=None) -> np.ndarray:
+    options = ort.SessionOptions()
+    if library is not None:
+        options.register_custom_ops_library(str(library))
+    return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    library = stored_weights.library()
+    assert not isinstance(library, str), library          # make setup fetched the headers; g++ is on the machine
+    return library
+
+
+@pytest.mark.parametrize("stored, x_shape, n, k, gemm", [
+    (E4M3, [1, 256], 8, 256, False),         # a decode: one token
+    (E4M3, [3, 7, 200], 10, 200, False),     # three rows of 7 tokens, a last block of 72, N not a multiple of 4
+    (E4M3, [13, 384], 33, 384, True),        # Gemm
+    (E4M3, [256, 128], 16, 128, False),      # a prefill chunk
+    (BF16, [5, 64], 33, 64, False),
+    (BF16, [2, 1, 100], 7, 100, False),
+    (BF16, [9, 48], 4, 48, True),
+])
+def test_the_kernels_compute_what_onnx_runtime_computes_from_widened_weights(kernels, stored, x_shape, n, k, gemm):
+    rng = np.random.default_rng(n * k)
+    model = projection(stored, x_shape, n, k, rng, gemm)
+    stock = model.SerializeToString()
+    done = stored_weights.rewrite(model)
+    assert done.projections == {"E4m3MatMul" if stored == E4M3 else "Bf16MatMul": 1}
+    assert [node.op_type for node in model.graph.node] == [done.projections.popitem()[0]]
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    want, got = run(stock, x), run(model.SerializeToString(), x, kernels)
+    assert got.shape == want.shape
+    assert np.allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("scale", [0.5, 2.0 ** -126, 2.0 ** 99, 0.37])
+@pytest.mark.parametrize("x_rows", [1, 5])                   # the fused kernel (decode) and the buffered one
+def test_every_e4m3_code_widens_to_dequantize_linears_value(kernels, scale, x_rows):
+    """Weight row c holds code c throughout; X picks one column: Y[c] is code c times its scale, bit for bit (the
+    subnormal codes, the smallest and largest scales the kernel takes, and one that is not a power of two)."""
+    codes = np.repeat(CODES[:, None], 32, axis=1)
+    model = projection(E4M3, [x_rows, 32], len(CODES), 32, np.random.default_rng(0), block=16)
+    model.graph.initializer[0].raw_data = codes.tobytes()
+    model.graph.initializer[1].CopyFrom(helper.make_tensor("s", TensorProto.FLOAT, [len(CODES), 2],
+                                                           np.full(2 * len(CODES), scale, np.float32)))
+    stock = model.SerializeToString()
+    assert stored_weights.rewrite(model).projections == {"E4m3MatMul": 1}
+    x = np.zeros((x_rows, 32), np.float32)
+    x[:, 19] = 1.0
+    got, want = run(model.SerializeToString(), x, kernels), run(stock, x)
+    assert np.array_equal(got, want)
+    assert np.array_equal(want[0], (codes[:, 0].view(ml_dtypes.float8_e4m3fn).astype(np.float64) * np.float32(scale)
+                                    ).astype(np.float32))
+
+
+@pytest.mark.parametrize("code", NAN_CODES)
+def test_a_weight_holding_nan_or_a_huge_scale_stays_with_the_stock_kernels(code):
+    """The e4m3 kernel would read S.1111.111 as 240, and multiplies a scale by 2^8 first: ONNX Runtime keeps
+    those weights, and its NaN (or its inf) reaches the output as it would have."""
+    rng = np.random.default_rng(1)
+    with_nan = projection(E4M3, [1, 128], 4, 128, rng)
+    codes = e4m3_bytes(rng, 4, 128)
+    codes[2, 7] = code
+    with_nan.graph.initializer[0].raw_data = codes.tobytes()
+    huge = projection(E4M3, [1, 128], 4, 128, rng)
+    huge.graph.initializer[1].CopyFrom(helper.make_tensor("s", TensorProto.FLOAT, [4, 1], [1.0, 1.0, 2.0 ** 100, 1.0]))
+    for model in (with_nan, huge):
+        assert stored_weights.rewrite(model).projections == {}
+
+
+def test_only_chains_the_kernels_compute_are_rewritten():
+    rng = np.random.default_rng(0)
+    shared = projection(E4M3, [1, 128], 4, 128, rng)        # the widened weight read by a second node too
+    shared.graph.node.append(helper.make_node("Relu", ["wide"], ["other"]))
+    biased = projection(BF16, [2, 64], 4, 64, rng, gemm=True)
+    biased.graph.node[-1].input.append("w")                  # Gemm with a bias: not X W^T alone
+    transposed_a = projection(BF16, [64, 2], 4, 64, rng, gemm=True)
+    transposed_a.graph.node[-1].attribute.append(helper.make_attribute("transA", 1))
+    per_axis = projection(E4M3, [1, 128], 4, 128, rng)
+    per_axis.graph.node[0].attribute[0].i = 0                  # scales along the output axis
+    odd_blocks = projection(E4M3, [1, 120], 4, 120, rng, block=24)    # blocks of 24: not whole chunks of 16
+    for model in (shared, biased, transposed_a, per_axis, odd_blocks):
+        before = model.SerializeToString()
+        assert stored_weights.rewrite(model).projections == {}
+        assert model.SerializeToString() == before
+
+
+def test_without_headers_the_graph_stays_stock_and_says_why(monkeypatch, tmp_path):
+    monkeypatch.setenv(stored_weights.HEADERS, str(tmp_path))
+    reason = stored_weights.library()
+    assert isinstance(reason, str) and str(tmp_path) in reason
+    model = projection(E4M3, [1, 128], 4, 128, np.random.default_rng(0)).SerializeToString()
+    monkeypatch.setattr(stored_weights, "_warned", False)
+    with pytest.warns(RuntimeWarning, match="stored-weight kernels are off: no ONNX Runtime C API headers"):
+        assert stored_projections(model) == (model, None)
+
+
+@pytest.fixture(scope="module")
+def stored_engine(tiny_engine):
+    """FP8 dense weights, MXFP4 routed experts and bf16 tensors, as the releases store them."""
+    return tiny_engine("flash_like", quantize="mxfp4", dtype="bfloat16")[1]
+
+
+@pytest.mark.parametrize("mtp", [0, 3])
+def test_an_engine_generates_the_same_tokens_on_the_kernels(stored_engine, mtp):
+    """Greedy tokens and acceptance equal, log-probabilities within 1e-5 of the stock kernels' (the oracle tests
+    hold the kernels' engine within 1e-4 of transformers)."""
+    ids = torch.randint(0, 200, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    results = [Generator.from_engine_dir(stored_engine, mtp=mtp, backend_options={"stored_weights": on}).generate(
+        [ids], SamplingParams(max_new_tokens=12, ignore_eos=True, prompt_logprobs=0, logprobs=0))[0] for on in
+        (False, True)]
+    stock, kernels = results
+    assert kernels.token_ids == stock.token_ids
+    assert kernels.metrics["accepted_per_step"] == stock.metrics["accepted_per_step"]
+    for a, b in ((stock.prompt_logprobs, kernels.prompt_logprobs), (stock.logprobs, kernels.logprobs)):
+        assert np.abs(np.array([p.logprob for p in a]) - np.array([p.logprob for p in b])).max() < 1e-5
+
+
+def test_an_engines_dense_projections_all_move_to_the_kernels(stored_engine):
+    """Every FP8 and bf16 weight that only an X W^T reads is read as stored: what keeps a stored type after the
+    rewrite is read otherwise (the grouped output projection's reshape, the embedding's gathered rows)."""
+    from v4engine.contract.engine import EngineManifest
+    from v4engine.contract.engine_folder import EngineFolder, read_graph
+
+    manifest = EngineManifest.read(stored_engine)
+    folder = EngineFolder(stored_engine)
+    weights = folder.map_weights(manifest.weights)
+    model = ModelProto.FromString(read_graph(folder, manifest.graphs["target"], weights))
+    done = stored_weights.rewrite(model, weights.maps)
+    assert done.projections["E4m3MatMul"] > 0 and done.projections["Bf16MatMul"] > 0
+    readers = {}
+    for node in model.graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    for tensor in model.graph.initializer:
+        if tensor.data_type in (E4M3, BF16) and len(tensor.dims) == 2:
+            (widening,) = readers[tensor.name]
+            users = [n.op_type for n in readers.get(widening.output[0], [])]
+            assert users and "MatMul" not in users and "Gemm" not in users and (
+                "Transpose" not in users or "MatMul" not in [n.op_type for u in readers[widening.output[0]]
+                                                           for n in readers.get(u.output[0], [])]), tensor.name

@@ -443,6 +443,8 @@ class Scheduler:
             accepted, token = accept_sampled(distribution(target, r.params), q, drafts, r.rng)
         if drafts:
             r.metrics.record_verify(len(drafts), accepted, r.proposal.confidence)
+            if self.planner is not None and r.proposal.confidence is not None:
+                self.planner.verified(r.params.greedy, r.proposal.confidence, accepted)
         self._commit(r, out, b, accepted + 1, prefill=False)
         r.proposal = None
         self._emit(r, drafts[:accepted] + [token], new_tokens, logits)

@@ -183,6 +183,33 @@ def test_steps_as_measured_correct_a_profile_that_no_longer_holds():
     assert planner.scale[True] == pytest.approx(1 + verify_schedule.SCALE_RATE * (4 - 1))
 
 
+def test_survivals_are_calibrated_by_the_drafts_verifies_kept_apart_for_greedy_and_sampled_rows():
+    """Sampled rows kept 80% of the drafts their confidences promised, greedy ones all: a sampled row's survivals
+    are taken at 0.8 of the running product from then on, a greedy row's as they are (capped at 1), and drafting
+    that paid by the head's word no longer does."""
+    planner = VerifyPlanner(costs(draft=1e-4, verify_per_token=2e-4))
+    sampled = SamplingParams(max_new_tokens=24, temperature=1.0)
+    confidence = np.array([0.88] * 5)
+    assert planner.calibration(False) == planner.calibration(True) == 1.0
+    for _ in range(2000):
+        planner.verified(False, confidence, 0.8 * float(survival(confidence).sum()))
+        planner.verified(True, np.array([0.5] * 5), float(survival(np.array([0.5] * 5)).sum()))
+    assert planner.calibration(False) == pytest.approx(0.8, rel=1e-3)
+    assert planner.calibration(True) == pytest.approx(1.0, rel=1e-3)
+    rows = [row(list(confidence), sampled) for _ in range(8)] + [row([0.99] * 5)]
+    planner.trim(rows)
+    assert rows[0].survival == pytest.approx(0.8 * survival(confidence))
+    assert rows[-1].survival == pytest.approx(survival(np.array([0.99] * 5)))
+    flips = [c for c in np.linspace(0.3, 0.99, 70)             # where the head's word pays and 0.8 of it does not
+             if planner.pays([survival(np.array([c] * 5))] * 8)
+             and not planner.pays([0.8 * survival(np.array([c] * 5))] * 8)]
+    assert flips
+    rows = [row([flips[0]] * 5, sampled) for _ in range(8)]
+    planner.trim(rows)
+    planner.since_draft, planner.interval = 1, 100               # a decision, not a probe
+    assert not planner.should_draft(rows)
+
+
 # ---------------------------------------------------------------------- the record
 def test_a_recorded_profile_is_read_back_and_a_bad_one_is_measured_again(tmp_path):
     measured = []

@@ -166,7 +166,7 @@ def llama_python(work: Path) -> Path:
                         "--no-deps", "-d", str(sdist)], check=True)
         with tarfile.open(next(sdist.glob("llama_cpp_python-*.tar.gz"))) as archive:
             archive.extractall(sdist, filter="data")
-    if subprocess.run([str(python), "-c", "import llama_cpp"], capture_output=True).returncode != 0:
+    if not python.is_file() or subprocess.run([str(python), "-c", "import llama_cpp"], capture_output=True).returncode:
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
         print("building llama-cpp-python (llama.cpp, -DGGML_NATIVE=ON): about ten minutes on two cores", flush=True)
         subprocess.run([str(python), "-m", "pip", "install", "numpy", str(next(sdist.glob("llama_cpp_python-*/")))],

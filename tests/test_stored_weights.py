@@ -1,6 +1,7 @@
-"""Dense projections over stored FP8 and bf16 weights on v4engine's CPU kernels (runtime/sessions/stored_weights.py):
-ONNX Runtime's own values (its DequantizeLinear or Cast, then its MatMul or Gemm) up to the order of float32 sums,
-only the chains the kernels compute rewritten, and the stock graph where the kernels cannot be built."""
+"""Dense projections over stored FP8 and bf16 weights, and routed experts over stored MXFP4 ones, on v4engine's CPU
+kernels (runtime/sessions/stored_weights.py): ONNX Runtime's own values (its DequantizeLinear or Cast, then its
+MatMul or Gemm; its QMoE) and V4's definition up to the order of float32 sums, only what the kernels compute
+rewritten, and the stock graph where the kernels cannot be built."""
 import ml_dtypes
 import numpy as np
 import onnxruntime as ort
@@ -148,6 +149,92 @@ def test_without_headers_the_graph_stays_stock_and_says_why(monkeypatch, tmp_pat
         assert stored_projections(model) == (model, None)
 
 
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float64)
+
+
+def mxfp4(rng: np.random.Generator, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A random MXFP4 weight [rows, cols]: its packed bytes (low nibble first) as the engine holds them, uint16
+    [1, rows, cols / 4], its E8M0 bytes int8 [1, rows, cols / 32], and its values (float64), decoded apart."""
+    packed = rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8)
+    exponents = rng.integers(120, 130, (rows, cols // 32), dtype=np.uint8)
+    codes = np.stack([packed & 15, packed >> 4], axis=-1).reshape(rows, cols)
+    values = E2M1[codes] * np.repeat(2.0 ** (exponents.astype(np.float64) - 127), 32, axis=1)
+    return packed.view(np.uint16).reshape(1, rows, cols // 4), exponents.view(np.int8)[None], values
+
+
+def test_the_experts_kernel_computes_v4s_routed_experts_from_mxfp4_bytes(kernels):
+    """Mxfp4MoE against V4's definition written out in float64 from separately decoded weights: each token's
+    experts with a weight above 1e-8 (a hash layer's repeated pick arrives as one weight, their sum), SwiGLU with
+    its limit, the weighted sum; tokens of 1 (a decode), 5 and 40 rows (the buffered kernel)."""
+    rng = np.random.default_rng(0)
+    E, D, I, limit = 4, 64, 96, 1.5
+    experts = [[mxfp4(rng, I, D), mxfp4(rng, I, D), mxfp4(rng, D, I)] for _ in range(E)]
+    inputs, initializers = ["x", "mixing"], []
+    for e, weights in enumerate(experts):
+        for w, (packed, exponents, _) in zip(("w1", "w3", "w2"), weights):
+            initializers += [
+                helper.make_tensor(f"{w}.{e}", TensorProto.UINT16, packed.shape, packed.tobytes(), raw=True),
+                helper.make_tensor(f"{w}.{e}.e8m0", TensorProto.INT8, exponents.shape, exponents.tobytes(), raw=True)]
+            inputs += [f"{w}.{e}", f"{w}.{e}.e8m0"]
+    node = helper.make_node("Mxfp4MoE", inputs, ["y"], domain=stored_weights.DOMAIN, swiglu_limit=limit)
+    graph = helper.make_graph([node], "experts", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", D]),
+                                                  helper.make_tensor_value_info("mixing", TensorProto.FLOAT, ["T", E])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializers)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23),
+                                                    helper.make_opsetid(stored_weights.DOMAIN, 1)])
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(str(kernels))
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    for T in (1, 5, 40):
+        x = rng.standard_normal((T, D)).astype(np.float32)
+        mixing = np.where(rng.uniform(size=(T, E)) < 0.5, rng.uniform(0.1, 1, (T, E)), 0).astype(np.float32)
+        mixing[0, 1] = 1e-9                                          # below QMoE's threshold: skipped
+        want = np.zeros((T, D))
+        for t in range(T):
+            for e, ((_, _, w1), (_, _, w3), (_, _, w2)) in enumerate(experts):
+                if mixing[t, e] > 1e-8:
+                    gate, up = np.minimum(w1 @ x[t], limit), np.clip(w3 @ x[t], -limit, limit)
+                    want[t] += mixing[t, e] * (w2 @ (gate / (1 + np.exp(-gate)) * up))
+        got = session.run(None, {"x": x, "mixing": mixing})[0]
+        assert np.allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max()), T
+
+
+def qmoe_graph(exponent: int) -> ModelProto:
+    """A QMoE as builder/backends/onnxruntime.py makes it over two MXFP4 experts, their packed bytes and E8M0 bytes
+    as builder/weights.py names them, every E8M0 byte `exponent` (the int8 codes' widening left out: only names and
+    bytes are read)."""
+    rng = np.random.default_rng(0)
+    initializers = []
+    for base, parts in (("l.ffn.routed.fc1", 2), ("l.ffn.routed.w2", 1)):
+        for part in range(parts):
+            for e in range(2):
+                packed, name = rng.integers(0, 2 ** 16, (1, 32, 8), dtype=np.uint16), f"{base}.{part}.{e}.fp4"
+                initializers += [
+                    helper.make_tensor(name, TensorProto.UINT16, packed.shape, packed.tobytes(), True),
+                    helper.make_tensor(f"{name}.e8m0", TensorProto.INT8, [1, 32, 1],
+                                       np.full(32, exponent, np.uint8).view(np.int8).tobytes(), True)]
+    inputs = ["x", "chosen", "l.ffn.routed.fc1.codes", "l.ffn.routed.fc1.scales", "", "l.ffn.routed.w2.codes",
+              "l.ffn.routed.w2.scales"] + [""] * 7 + ["mixing"]
+    node = helper.make_node("QMoE", inputs, ["y"], domain="com.microsoft", k=2, swiglu_limit=7.0,
+                            **stored_weights.QMOE)
+    graph = helper.make_graph([node], "experts", [], [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              initializers)
+    return helper.make_model(graph)
+
+
+@pytest.mark.parametrize("exponent, moved", [(127, True), (0, False), (255, False)])
+def test_experts_move_to_the_kernel_unless_a_scale_is_e8m0s_edge(exponent, moved):
+    """E8M0 0 and 255 (2^-127 and NaN) the stock path makes a subnormal and an inf: those experts stay in QMoE."""
+    model = qmoe_graph(exponent)
+    done = stored_weights.rewrite(model)
+    assert done.projections == ({"Mxfp4MoE": 1} if moved else {})
+    assert [n.op_type for n in model.graph.node] == (["Mxfp4MoE"] if moved else ["QMoE"])
+    if moved:
+        assert list(model.graph.node[0].input[2:8]) == ["l.ffn.routed.fc1.0.0.fp4", "l.ffn.routed.fc1.0.0.fp4.e8m0",
+                                                         "l.ffn.routed.fc1.1.0.fp4", "l.ffn.routed.fc1.1.0.fp4.e8m0",
+                                                         "l.ffn.routed.w2.0.0.fp4", "l.ffn.routed.w2.0.0.fp4.e8m0"]
+
+
 @pytest.fixture(scope="module")
 def stored_engine(tiny_engine):
     """FP8 dense weights, MXFP4 routed experts and bf16 tensors, as the releases store them."""
@@ -179,8 +266,12 @@ def test_an_engines_dense_projections_all_move_to_the_kernels(stored_engine):
     folder = EngineFolder(stored_engine)
     weights = folder.map_weights(manifest.weights)
     model = ModelProto.FromString(read_graph(folder, manifest.graphs["target"], weights))
+    experts = sum(n.op_type == "QMoE" for n in model.graph.node)
     done = stored_weights.rewrite(model, weights.maps)
     assert done.projections["E4m3MatMul"] > 0 and done.projections["Bf16MatMul"] > 0
+    assert done.projections["Mxfp4MoE"] == experts > 0
+    ops = {n.op_type for n in model.graph.node}
+    assert "QMoE" not in ops and "Gather" not in {n.op_type for n in model.graph.node if "routed" in n.output[0]}
     readers = {}
     for node in model.graph.node:
         for name in node.input:

@@ -10,8 +10,9 @@ Weights widen at load (FP8 and bf16 to float32, MXFP4 to QMoE's int8 codes): on 
 the routed experts before the session is made, a group of weights at a time (widening.py), so loading peaks near
 the resident size; ONNX Runtime's constant folding, which did it all at once (3.6x the resident size at peak on the
 slice), keeps the weights its GEMMs pack, and does everything for a GPU provider and with runtime_widening=False.
-On the CPU, first of all, the dense FP8 and bf16 projections move to v4engine's kernels, which read the stored
-bytes in place (stored_weights.py; stored_weights=False: the stock kernels over float32 weights).
+On the CPU, first of all, the dense FP8 and bf16 projections and the MXFP4 routed experts move to v4engine's
+kernels, which read the stored bytes in place (stored_weights.py; stored_weights=False: the stock kernels, QMoE over
+int8 codes and MatMul over float32 weights).
 
 Routed experts stored as MXFP4 run in ONNX Runtime's QMoE as int8 codes, exact only on its fp32 path: the kernel
 reads ORT_QMOE_CPU_QNBIT_GEMM when a session is made, and by default quantizes activations to int8 (1e-2 off).
@@ -222,12 +223,13 @@ def session_options(files: dict[str, np.ndarray], threads: int | None, alternati
     return options
 
 
-def stored_projections(model: bytes, files: dict[str, np.ndarray] | None = None) -> tuple[bytes, Path | None]:
-    """`model` with its dense FP8 and bf16 projections on v4engine's kernels, and the kernels' library; or `model` as
-    it is and None where it has none or the kernels cannot be built here (said once: stored_weights.py). `files`:
-    the weight files' maps by location."""
+def stored_projections(model: bytes, files: dict[str, np.ndarray] | None = None, experts: bool = True
+                       ) -> tuple[bytes, Path | None]:
+    """`model` with its dense FP8 and bf16 projections (and, `experts`, its MXFP4 routed experts) on v4engine's
+    kernels, and the kernels' library; or `model` as it is and None where it has none or the kernels cannot be built
+    here (said once: stored_weights.py). `files`: the weight files' maps by location."""
     proto = ModelProto.FromString(model)
-    if not stored_weights.rewrite(proto, files).projections:
+    if not stored_weights.rewrite(proto, files, experts).projections:
         return model, None
     kernels = stored_weights.library()
     if isinstance(kernels, str):
@@ -274,7 +276,8 @@ class OnnxRuntimeSession(EngineSession):
         model = read_graph(folder, entry, weights)          # checked first: its refusals name the field at fault
         kernels = None
         if options.stored_weights and place.gpu is None and not load_check:
-            model, kernels = stored_projections(model, weights.maps)
+            int8 = manifest.compiled is not None and manifest.compiled.moe_activations == "int8"
+            model, kernels = stored_projections(model, weights.maps, experts=not int8)
         try:
             with _moe_activations(manifest.compiled):
                 widened = WidenedGraph(model)

@@ -1,12 +1,15 @@
-"""Dense projections that read their weights as the checkpoint stores them, on ONNX Runtime's CPU provider.
+"""Dense projections and routed experts that read their weights as the checkpoint stores them, on ONNX Runtime's CPU
+provider.
 
 An engine's graph widens an FP8 projection's weight with a blocked DequantizeLinear and a bf16 one with a Cast,
 then multiplies by it (MatMul of its transpose, or Gemm with transB). ONNX Runtime folds the widening at load and
-its GEMMs read float32: 4 bytes a weight, read again every token, where the checkpoint stores 1 (e4m3) or 2 (bf16);
-a decode at batch 1 is bound by those reads. Here, before a CPU session is made, each such chain becomes one node
-of v4engine's kernels (stored_matmul.cc: `E4m3MatMul`, `Bf16MatMul`) reading the stored bytes in place, memory-mapped
-from the checkpoint's files, and widening them inside: a value of e4m3 times its power-of-two block scale, or of bf16,
-is a float32 exactly, the one DequantizeLinear or Cast makes, so only the order of the float32 sums changes.
+its GEMMs read float32: 4 bytes a weight, resident and read every token, where the checkpoint stores 1 (e4m3) or 2
+(bf16). Its routed experts run in QMoE over int8 codes made at load from the MXFP4 bytes (1.125 bytes a weight
+against 0.53), whose exact path widens each chosen expert to float32 per call. Here, before a CPU session is made,
+each projection chain becomes one node of v4engine's kernels (stored_weights.cc: `E4m3MatMul`, `Bf16MatMul`) and
+each QMoE one `Mxfp4MoE`, reading the stored bytes in place, memory-mapped from the checkpoint's files, and widening
+them inside: a value of e4m3 times its power-of-two block scale, of bf16, or of e2m1 times 2^(e-127), is a float32
+exactly, the one DequantizeLinear, Cast or QMoE's codes make, so only the order of the float32 sums changes.
 
 The kernels are an ONNX Runtime custom-op library, compiled on first use with the machine's C++ compiler against
 ONNX Runtime's C API headers (`make setup` puts them in the virtual environment: scripts/ort_headers.py), and kept
@@ -34,7 +37,7 @@ from onnx import ModelProto, NodeProto, TensorProto, helper, numpy_helper
 from .widening import stored_nbytes
 
 DOMAIN = "v4engine.cpu"
-SOURCE = Path(__file__).with_name("stored_matmul.cc")
+SOURCE = Path(__file__).with_name("stored_weights.cc")
 HEADERS = "V4ENGINE_ORT_INCLUDE"        # the folder of onnxruntime_cxx_api.h (default: sys.prefix/include/onnxruntime)
 CACHE_DIR = "V4ENGINE_CACHE_DIR"        # where the compiled library is kept (default ~/.cache/v4engine)
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC", "-shared", "-fvisibility=hidden")
@@ -79,7 +82,7 @@ def library() -> Path | str:
 
 def _compile(compiler: str, include: Path, key: str) -> Path | str:
     folder = Path(os.environ.get(CACHE_DIR) or Path.home() / ".cache" / "v4engine")
-    target = folder / f"stored_matmul-{key}.so"
+    target = folder / f"stored_weights-{key}.so"
     if target.is_file():
         return target
     folder.mkdir(parents=True, exist_ok=True)
@@ -93,13 +96,14 @@ def _compile(compiler: str, include: Path, key: str) -> Path | str:
     return target
 
 
-def rewrite(model: ModelProto, files: Mapping[str, np.ndarray] | None = None) -> Rewritten:
+def rewrite(model: ModelProto, files: Mapping[str, np.ndarray] | None = None, experts: bool = True) -> Rewritten:
     """Move every dense projection over a stored FP8 or bf16 weight to the kernels, in place (the module doc): a
     DequantizeLinear (axis 1, blocked by a multiple of 16) or Cast to float of a 2-D initializer read by nothing else,
     then a Transpose read only by a MatMul's second input, or a Gemm (transB, no bias, alpha 1) reading it as B.
     An FP8 weight holding a NaN code, or with a scale of 2^100 or more, stays with the stock kernels (the e4m3
     kernel reads neither). `files`: the in-memory weight files external initializers point into (location ->
-    bytes)."""
+    bytes). `experts`: also move each QMoE over MXFP4 experts to `Mxfp4MoE` (not for an engine built for QMoE's
+    int8 activations, which asked for that kernel)."""
     graph = model.graph
     initializers = {t.name: t for t in graph.initializer}
     readers: dict[str, list[NodeProto]] = {}
@@ -107,8 +111,15 @@ def rewrite(model: ModelProto, files: Mapping[str, np.ndarray] | None = None) ->
         for name in node.input:
             readers.setdefault(name, []).append(node)
     outputs = {o.name for o in graph.output}
-    gone, added, done = set(), {}, Rewritten({}, 0)
+    gone, added, done, codes = set(), {}, Rewritten({}, 0), {}
     for node in graph.node:
+        moe = _stored_experts(node, initializers, files or {}) if experts else None
+        if moe is not None:
+            added[id(node)] = moe
+            codes |= _codes_shapes(moe, initializers)
+            done.projections["Mxfp4MoE"] = done.projections.get("Mxfp4MoE", 0) + 1
+            done.stored_bytes += sum(stored_nbytes(initializers[name]) for name in moe.input[2:])
+            continue
         weight = _stored_weight(node, initializers, readers, outputs)
         if weight is None or not _e4m3_kernel_reads(node, initializers, files or {}):
             continue
@@ -125,13 +136,85 @@ def rewrite(model: ModelProto, files: Mapping[str, np.ndarray] | None = None) ->
         stored.data_type = bytes_type                  # the same bytes, read as what they are to the kernel
         done.projections[op] = done.projections.get(op, 0) + 1
         done.stored_bytes += stored_nbytes(stored)
+    for node in graph.node:                  # the shapes of codes no longer made, as constants
+        if node.op_type == "Shape" and node.domain in ("", "ai.onnx") and node.input[0] in codes:
+            start, end = _attribute(node, "start") or 0, _attribute(node, "end")
+            shape = np.array(codes[node.input[0]][start:end], np.int64)
+            added[id(node)] = helper.make_node("Constant", [], list(node.output), name=f"{node.output[0]}.stored",
+                                               value=numpy_helper.from_array(shape))
     if added:
         kept = [added.get(id(n), n) for n in graph.node if id(n) not in gone]
         del graph.node[:]
-        graph.node.extend(kept)
+        graph.node.extend(_live(kept, outputs))
         if all(o.domain != DOMAIN for o in model.opset_import):
             model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
     return done
+
+
+QMOE = {"activation_type": b"swiglu", "swiglu_fusion": 1, "activation_alpha": 1.0, "activation_beta": 0.0,
+        "expert_weight_bits": 8, "block_size": 32, "quant_type": b"int"}     # as builder/backends/onnxruntime.py
+
+
+def _stored_experts(node: NodeProto, initializers: dict[str, TensorProto], files: Mapping[str, np.ndarray]
+                    ) -> NodeProto | None:
+    """The `Mxfp4MoE` node computing this QMoE from the experts' stored bytes, or None. The builder makes QMoE's
+    int8 codes from each expert's packed bytes (`<fc1>.<part>.<e>.fp4`, part 0 the gate rows and 1 the up rows, and
+    `<w2>.0.<e>.fp4`, with their E8M0 bytes `….e8m0`: builder/weights.py int8_codes); the kernel reads those. Not
+    where an E8M0 byte is 0 or 255 (2^-127 and NaN, which the stock path makes a subnormal and an inf)."""
+    if node.domain != "com.microsoft" or node.op_type != "QMoE" or len(node.input) != 15:
+        return None
+    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    fc1, w2 = node.input[2], node.input[5]
+    if any(attributes.get(k) != v for k, v in QMOE.items()) or "swiglu_limit" not in attributes \
+            or not fc1.endswith(".codes") or not w2.endswith(".codes"):
+        return None
+    if any(node.input[i] for i in (4, *range(7, 14))):        # biases, zero points: none in what the builder makes
+        return None
+    fc1, w2 = fc1.removesuffix(".codes"), w2.removesuffix(".codes")
+    weights, e = [], 0
+    while f"{fc1}.0.{e}.fp4" in initializers:
+        for packed in (f"{fc1}.0.{e}.fp4", f"{fc1}.1.{e}.fp4", f"{w2}.0.{e}.fp4"):
+            weights += [packed, f"{packed}.e8m0"]
+        e += 1
+    if not weights or any(name not in initializers for name in weights):
+        return None
+    for exponents in weights[1::2]:
+        values = _bytes(initializers[exponents], files)
+        if np.any(values == 0) or np.any(values == 255):
+            return None
+    return helper.make_node("Mxfp4MoE", [node.input[0], node.input[14], *weights], list(node.output),
+                            name=f"{node.name or node.output[0]}.stored", domain=DOMAIN,
+                            swiglu_limit=float(attributes["swiglu_limit"]))
+
+
+def _codes_shapes(moe: NodeProto, initializers: dict[str, TensorProto]) -> dict[str, list[int]]:
+    """The shapes of the int8 codes a `Mxfp4MoE` node replaces (fc1 [E, 2I, D], w2 [E, D, I]), by name: the router
+    reads the expert count off them (a Shape), which must not make them."""
+    experts = (len(moe.input) - 2) // 6
+    gate, down = initializers[moe.input[2]].dims, initializers[moe.input[6]].dims        # [1, I, D / 4], [1, D, I / 4]
+    fc1, w2 = (moe.input[i].removesuffix(".0.0.fp4") for i in (2, 6))
+    return {f"{fc1}.codes": [experts, 2 * gate[1], 4 * gate[2]], f"{w2}.codes": [experts, down[1], 4 * down[2]]}
+
+
+def _live(nodes: list[NodeProto], outputs: set[str]) -> list[NodeProto]:
+    """`nodes` without those whose every output nothing reads (the widening of what the kernels now read); a
+    subgraph's nodes (an If's branches) read the values they name from outside too."""
+    needed, kept = set(outputs), []
+    for node in reversed(nodes):
+        if needed.intersection(node.output):
+            kept.append(node)
+            needed.update(_reads(node))
+    return kept[::-1]
+
+
+def _reads(node: NodeProto) -> set[str]:
+    """The values `node` reads, its subgraphs' included."""
+    names = {i for i in node.input if i}
+    for attribute in node.attribute:
+        for graph in [attribute.g] if attribute.type == attribute.GRAPH else attribute.graphs:
+            for inner in graph.node:
+                names |= _reads(inner)
+    return names
 
 
 def _stored_weight(node: NodeProto, initializers: dict[str, TensorProto], readers: dict[str, list[NodeProto]],

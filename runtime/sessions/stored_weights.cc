@@ -25,6 +25,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <vector>
 
 namespace {
@@ -53,7 +54,7 @@ inline vf e4m3_over_256(const uint8_t* p) {
   vh bits = ((b & 0x7F) << 7) | ((b & 0x80) << 8);
   __m256i halves; std::memcpy(&halves, &bits, sizeof halves);
 #if defined(__AVX512F__)
-  return (vf)_mm512_maskz_cvtph_ps(0xFFFF, halves);        // (the unmasked form trips a spurious GCC warning)
+  return (vf)_mm512_maskz_cvtph_ps(0xFFFF, halves);        // (the unmasked forms trip a spurious GCC warning)
 #else      // F16C: two halves of eight (GCC widens a _Float16 vector one lane at a time)
   __m256 low = _mm256_cvtph_ps(_mm256_castsi256_si128(halves));
   __m256 high = _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1));
@@ -97,6 +98,44 @@ struct Bf16Rows {
   int64_t K;
   vf chunk(int64_t n, int64_t k) const { return bf16(w + n * K + k); }
   float at(int64_t n, int64_t k) const { return bf16_scalar(w[n * K + k]); }
+};
+
+// MXFP4: two e2m1 codes a byte, the low nibble first, and an E8M0 exponent e per 32 weights (scale 2^(e-127); the
+// rewrite leaves weights holding e = 0 or 255 with the stock kernels). e2m1 codes 0-7 are 0, 0.5, 1, 1.5, 2, 3, 4, 6;
+// 8-15 their negatives: a 16-entry table, looked up 16 lanes at once.
+constexpr float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                            -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+inline float e8m0_scale(uint8_t e) {
+  uint32_t bits = uint32_t(e) << 23;
+  float v;
+  std::memcpy(&v, &bits, 4);
+  return v;
+}
+
+struct Mxfp4Rows {
+  const uint8_t* w;        // [N, K / 2]
+  const uint8_t* e8m0;     // [N, K / 32]
+  int64_t K;
+  vf chunk(int64_t n, int64_t k) const {
+    const uint8_t* p = w + (n * K + k) / 2;
+    float scale = e8m0_scale(e8m0[(n * K + k) / 32]);
+#if defined(__AVX512F__)
+    __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    __m128i low = _mm_and_si128(bytes, _mm_set1_epi8(15));
+    __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(15));
+    __m512i codes = _mm512_maskz_cvtepu8_epi32(0xFFFF, _mm_unpacklo_epi8(low, high));      // low nibble first
+    return (vf)_mm512_maskz_permutexvar_ps(0xFFFF, codes, _mm512_loadu_ps(E2M1)) * scale;
+#else
+    vf out;
+    for (int i = 0; i < LANES; ++i) out[i] = E2M1[(p[i / 2] >> (4 * (i % 2))) & 15] * scale;
+    return out;
+#endif
+  }
+  float at(int64_t n, int64_t k) const {
+    int64_t i = n * K + k;
+    return E2M1[(w[i / 2] >> (4 * (i % 2))) & 15] * e8m0_scale(e8m0[i / 32]);
+  }
 };
 
 inline float sum(vf v) {
@@ -266,6 +305,144 @@ struct Kernel {
   }
 };
 
+// v4engine.cpu::Mxfp4MoE(X [T, D] float, mixing [T, E] float, then for each expert e: w1, s1, w3, s3, w2, s2) -> [T, D]
+// V4's routed experts over MXFP4 weights as stored: w1, w3 [I, D] (gate, up) and w2 [D, I] as packed bytes (any
+// integer type of the right size: uint16 [1, I, D / 4] as the engine holds them), s* their E8M0 bytes [1, rows, cols /
+// 32]. Token t runs expert e where mixing[t, e] > 1e-8 (QMoE's rule), and Y[t] = sum over them of mixing[t, e] *
+// w2 (silu(min(w1 x, L)) * clamp(w3 x, -L, L)), L = swiglu_limit. Every expert's tokens run together: the gate and up
+// rows in one pass of tasks over (expert, columns), then the down rows in another.
+struct Expert {
+  Mxfp4Rows w1, w3, w2;
+  std::vector<int64_t> tokens;
+  std::vector<float> x, gate, up, out;       // its tokens' rows of X [m, D]; [m, I] twice; [m, D]
+};
+
+struct MoeWork {
+  std::vector<Expert*> active;
+  std::vector<std::array<int64_t, 3>> tasks;   // (expert in `active`, first column, last column)
+  int64_t D, I;
+  float limit;
+  bool down;                                   // the second pass
+};
+
+void moe_task(void* data, size_t index) {
+  const MoeWork& work = *static_cast<const MoeWork*>(data);
+  auto [which, first, last] = work.tasks[index];
+  Expert& e = *work.active[which];
+  int64_t m = int64_t(e.tokens.size());
+  if (!work.down) {
+    columns(e.x.data(), m, work.D, e.w1, first, last, e.gate.data(), work.I);
+    columns(e.x.data(), m, work.D, e.w3, first, last, e.up.data(), work.I);
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t c = first; c < last; ++c) {
+        float g = std::min(e.gate[r * work.I + c], work.limit), u = std::clamp(e.up[r * work.I + c], -work.limit,
+                                                                               work.limit);
+        e.gate[r * work.I + c] = g / (1.0f + std::exp(-g)) * u;
+      }
+  } else {
+    columns(e.gate.data(), m, work.I, e.w2, first, last, e.out.data(), work.D);
+  }
+}
+
+struct MoeKernel {
+  float limit;
+
+  explicit MoeKernel(const OrtKernelInfo* info)
+      : limit(Ort::ConstKernelInfo(info).GetAttribute<float>("swiglu_limit")) {}
+
+  void Compute(OrtKernelContext* raw) {
+    Ort::KernelContext context(raw);
+    Ort::ConstValue X = context.GetInput(0), mixing = context.GetInput(1);
+    std::vector<int64_t> xs = X.GetTensorTypeAndShapeInfo().GetShape();
+    std::vector<int64_t> ms = mixing.GetTensorTypeAndShapeInfo().GetShape();
+    size_t inputs = context.GetInputCount();
+    if (xs.size() != 2 || ms.size() != 2 || ms[0] != xs[0] || (inputs - 2) % 6 || int64_t(inputs - 2) / 6 != ms[1])
+      ORT_CXX_API_THROW("Mxfp4MoE: X [T, D], mixing [T, E] and six weights per expert disagree", ORT_INVALID_ARGUMENT);
+    int64_t T = xs[0], D = xs[1], E = ms[1];
+    MoeWork work{};
+    work.D = D;
+    work.limit = limit;
+    std::vector<Expert> experts(E);
+    auto bytes = [&](size_t index, int64_t rows, int64_t cols, int64_t per_byte) {
+      Ort::ConstValue v = context.GetInput(index);
+      Ort::TensorTypeAndShapeInfo info = v.GetTensorTypeAndShapeInfo();
+      int64_t count = int64_t(info.GetElementCount()), width = 0;
+      switch (info.GetElementType()) {
+        case ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8: case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8: width = 1; break;
+        case ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT16: case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT16: width = 2; break;
+        default: ORT_CXX_API_THROW("Mxfp4MoE: weights must be 8- or 16-bit integers", ORT_INVALID_ARGUMENT);
+      }
+      if (count * width != rows * cols / per_byte)
+        ORT_CXX_API_THROW("Mxfp4MoE: an expert's weight or scale has the wrong size", ORT_INVALID_ARGUMENT);
+      return static_cast<const uint8_t*>(v.GetTensorRawData());
+    };
+    Ort::ConstValue first_w1 = context.GetInput(2);
+    std::vector<int64_t> w1s = first_w1.GetTensorTypeAndShapeInfo().GetShape();
+    work.I = w1s.size() == 3 ? w1s[1] : 0;
+    int64_t I = work.I;
+    if (I <= 0 || D % 32 || I % 32)
+      ORT_CXX_API_THROW("Mxfp4MoE: the experts' widths must be multiples of 32", ORT_INVALID_ARGUMENT);
+    for (int64_t e = 0; e < E; ++e) {
+      size_t at = 2 + 6 * size_t(e);
+      experts[e].w1 = {bytes(at, I, D, 2), bytes(at + 1, I, D, 32), D};
+      experts[e].w3 = {bytes(at + 2, I, D, 2), bytes(at + 3, I, D, 32), D};
+      experts[e].w2 = {bytes(at + 4, D, I, 2), bytes(at + 5, D, I, 32), I};
+    }
+    const float* x = X.GetTensorData<float>();
+    const float* mix = mixing.GetTensorData<float>();
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t e = 0; e < E; ++e)
+        if (mix[t * E + e] > 1e-8f) experts[e].tokens.push_back(t);
+    for (Expert& e : experts) {
+      int64_t m = int64_t(e.tokens.size());
+      if (!m) continue;
+      e.x.resize(m * D);
+      for (int64_t r = 0; r < m; ++r) std::memcpy(&e.x[r * D], x + e.tokens[r] * D, sizeof(float) * D);
+      e.gate.resize(m * I);
+      e.up.resize(m * I);
+      e.out.resize(m * D);
+      work.active.push_back(&e);
+    }
+    for (bool down : {false, true}) {
+      int64_t N = down ? D : I, K = down ? I : D;
+      int64_t span = std::max<int64_t>(ROWS, TASK_WEIGHTS / K / ROWS * ROWS);
+      work.tasks.clear();
+      for (size_t a = 0; a < work.active.size(); ++a)
+        for (int64_t c = 0; c < N; c += span) work.tasks.push_back({int64_t(a), c, std::min(N, c + span)});
+      work.down = down;
+      if (!work.tasks.empty())
+        Ort::ThrowOnError(Ort::GetApi().KernelContext_ParallelFor(raw, moe_task, work.tasks.size(), 0, &work));
+    }
+    float* y = context.GetOutput(0, xs).GetTensorMutableData<float>();
+    std::memset(y, 0, sizeof(float) * T * D);
+    for (Expert& e : experts)                  // expert by expert, as the stock kernel sums
+      for (size_t r = 0; r < e.tokens.size(); ++r) {
+        int64_t t = e.tokens[r];
+        float weight = mix[t * E + (&e - experts.data())];
+        for (int64_t c = 0; c < D; ++c) y[t * D + c] += weight * e.out[r * D + c];
+      }
+  }
+};
+
+struct MoeOp : Ort::CustomOpBase<MoeOp, MoeKernel> {
+  void* CreateKernel(const OrtApi&, const OrtKernelInfo* info) const { return new MoeKernel(info); }
+  const char* GetName() const { return "Mxfp4MoE"; }
+  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
+  size_t GetInputTypeCount() const { return 3; }
+  ONNXTensorElementDataType GetInputType(size_t index) const {
+    return index < 2 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  }
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t index) const {
+    return index < 2 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_VARIADIC;
+  }
+  int GetVariadicInputMinArity() const { return 6; }
+  bool GetVariadicInputHomogeneity() const { return false; }
+  size_t GetOutputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+};
+
+MoeOp moe_op;
+
 template <bool E4M3>
 struct Op : Ort::CustomOpBase<Op<E4M3>, Kernel> {
   void* CreateKernel(const OrtApi&, const OrtKernelInfo* info) const { return new Kernel(info, E4M3); }
@@ -292,6 +469,7 @@ OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_b
     Ort::CustomOpDomain domain{"v4engine.cpu"};
     domain.Add(&e4m3_op);
     domain.Add(&bf16_op);
+    domain.Add(&moe_op);
     Ort::UnownedSessionOptions(options).Add(domain);
     domain.release();       // ONNX Runtime reads the domain for as long as sessions made with it live
   } catch (const Ort::Exception& e) {

@@ -78,7 +78,7 @@ def test_the_kernels_compute_what_onnx_runtime_computes_from_widened_weights(ker
     rng = np.random.default_rng(n * k)
     model = projection(stored, x_shape, n, k, rng, gemm)
     stock = model.SerializeToString()
-    done = stored_weights.rewrite(model)
+    done = stored_weights.rewrite(model, smallest=0)
     assert done.projections == {"E4m3MatMul" if stored == E4M3 else "Bf16MatMul": 1}
     assert [node.op_type for node in model.graph.node] == [done.projections.popitem()[0]]
     x = rng.standard_normal(x_shape).astype(np.float32)
@@ -98,7 +98,7 @@ def test_every_e4m3_code_widens_to_dequantize_linears_value(kernels, scale, x_ro
     model.graph.initializer[1].CopyFrom(helper.make_tensor("s", TensorProto.FLOAT, [len(CODES), 2],
                                                            np.full(2 * len(CODES), scale, np.float32)))
     stock = model.SerializeToString()
-    assert stored_weights.rewrite(model).projections == {"E4m3MatMul": 1}
+    assert stored_weights.rewrite(model, smallest=0).projections == {"E4m3MatMul": 1}
     x = np.zeros((x_rows, 32), np.float32)
     x[:, 19] = 1.0
     got, want = run(model.SerializeToString(), x, kernels), run(stock, x)
@@ -119,7 +119,15 @@ def test_a_weight_holding_nan_or_a_huge_scale_stays_with_the_stock_kernels(code)
     huge = projection(E4M3, [1, 128], 4, 128, rng)
     huge.graph.initializer[1].CopyFrom(helper.make_tensor("s", TensorProto.FLOAT, [4, 1], [1.0, 1.0, 2.0 ** 100, 1.0]))
     for model in (with_nan, huge):
-        assert stored_weights.rewrite(model).projections == {}
+        assert stored_weights.rewrite(model, smallest=0).projections == {}
+
+
+def test_small_projections_stay_with_the_stock_kernels():
+    """Below SMALLEST weights MLAS over float32 from the cache is faster: by default those are not moved."""
+    rng = np.random.default_rng(0)
+    small, large = projection(BF16, [1, 64], 64, 64, rng), projection(BF16, [1, 64], 64, 64, rng)
+    assert stored_weights.rewrite(small).projections == {}
+    assert stored_weights.rewrite(large, smallest=64 * 64).projections == {"Bf16MatMul": 1}
 
 
 def test_only_chains_the_kernels_compute_are_rewritten():
@@ -135,7 +143,7 @@ def test_only_chains_the_kernels_compute_are_rewritten():
     odd_blocks = projection(E4M3, [1, 120], 4, 120, rng, block=24)    # blocks of 24: not whole chunks of 16
     for model in (shared, biased, transposed_a, per_axis, odd_blocks):
         before = model.SerializeToString()
-        assert stored_weights.rewrite(model).projections == {}
+        assert stored_weights.rewrite(model, smallest=0).projections == {}
         assert model.SerializeToString() == before
 
 
@@ -145,6 +153,7 @@ def test_without_headers_the_graph_stays_stock_and_says_why(monkeypatch, tmp_pat
     assert isinstance(reason, str) and str(tmp_path) in reason
     model = projection(E4M3, [1, 128], 4, 128, np.random.default_rng(0)).SerializeToString()
     monkeypatch.setattr(stored_weights, "_warned", False)
+    monkeypatch.setattr(stored_weights, "SMALLEST", 0)
     with pytest.warns(RuntimeWarning, match="stored-weight kernels are off: no ONNX Runtime C API headers"):
         assert stored_projections(model) == (model, None)
 
@@ -242,9 +251,10 @@ def stored_engine(tiny_engine):
 
 
 @pytest.mark.parametrize("mtp", [0, 3])
-def test_an_engine_generates_the_same_tokens_on_the_kernels(stored_engine, mtp):
+def test_an_engine_generates_the_same_tokens_on_the_kernels(stored_engine, mtp, monkeypatch):
     """Greedy tokens and acceptance equal, log-probabilities within 1e-5 of the stock kernels' (the oracle tests
-    hold the kernels' engine within 1e-4 of transformers)."""
+    hold the kernels' engine within 1e-4 of transformers), every projection of this small engine moved."""
+    monkeypatch.setattr(stored_weights, "SMALLEST", 0)
     ids = torch.randint(0, 200, (40,), generator=torch.Generator().manual_seed(3)).tolist()
     results = [Generator.from_engine_dir(stored_engine, mtp=mtp, backend_options={"stored_weights": on}).generate(
         [ids], SamplingParams(max_new_tokens=12, ignore_eos=True, prompt_logprobs=0, logprobs=0))[0] for on in
@@ -267,7 +277,7 @@ def test_an_engines_dense_projections_all_move_to_the_kernels(stored_engine):
     weights = folder.map_weights(manifest.weights)
     model = ModelProto.FromString(read_graph(folder, manifest.graphs["target"], weights))
     experts = sum(n.op_type == "QMoE" for n in model.graph.node)
-    done = stored_weights.rewrite(model, weights.maps)
+    done = stored_weights.rewrite(model, weights.maps, smallest=0)
     assert done.projections["E4m3MatMul"] > 0 and done.projections["Bf16MatMul"] > 0
     assert done.projections["Mxfp4MoE"] == experts > 0
     ops = {n.op_type for n in model.graph.node}

@@ -10,11 +10,13 @@
 // weights only (MLAS's SGEMM): 4 bytes a weight read per token where the checkpoint stores 1 or 2.
 //
 // The output columns are split into tasks of about TASK_WEIGHTS weights over ONNX Runtime's intra-op pool
-// (KernelContext_ParallelFor), and taken ROWS at a time. Up to 8 rows of X (a decode, a verify at batch 1) multiply
-// the weights as they widen, in vector accumulators: each stored byte is read once per call. More rows (a prefill
-// chunk, a batch's verify) widen the ROWS weight rows into a float32 buffer of the thread first, then ROWS_X rows of X
-// at a time multiply it: one widening serves every token of the call. (That product runs at about half the speed
-// of MLAS's SGEMM on the same float32 weights: a prefill pays for what a decode saves.)
+// (KernelContext_ParallelFor). Up to 8 rows of X (a decode, a verify at batch 1) multiply ROWS weight rows at a time
+// as they widen, in vector accumulators: each stored byte is read once per call. More rows (a batch's verify) widen
+// ROWS weight rows into a float32 buffer first, which ROWS_X rows of X at a time multiply as dot products; more than
+// PANEL_FROM (a prefill chunk) widen PANEL weight rows into a transposed panel, which BLOCK_X rows of X at a time
+// multiply as an SGEMM's kernel does (each input broadcast against a panel row). One widening serves every token of
+// the call. Those products run at 0.3-0.8 times MLAS's SGEMM over float32 weights here: a prefill pays for what a
+// decode saves.
 #define ORT_API_MANUAL_INIT
 #include <onnxruntime_cxx_api.h>
 #undef ORT_API_MANUAL_INIT
@@ -33,6 +35,9 @@ namespace {
 constexpr int64_t LANES = 16;     // floats in a vector
 constexpr int64_t ROWS = 4;       // weight rows (output columns) widened together
 constexpr int64_t ROWS_X = 6;     // rows of X per pass over a widened group: 6 x 4 accumulators in registers
+constexpr int64_t PANEL_FROM = 64;   // more rows of X than this: transposed panels (their making pays from about here)
+constexpr int64_t PANEL = 32;     // output columns widened together for many rows of X (two vectors)
+constexpr int64_t BLOCK_X = 12;   // rows of X per pass over a panel: 12 x 2 accumulators in registers
 constexpr int64_t TASK_WEIGHTS = 1 << 16;   // weights per task of the intra-op pool, about (fewer tasks, less overhead)
 
 typedef float vf __attribute__((vector_size(LANES * 4)));
@@ -42,6 +47,7 @@ typedef uint16_t vh __attribute__((vector_size(LANES * 2)));
 
 inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+inline vf splat(float v) { return vf{v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v}; }
 
 // 16 e4m3 bytes (1 sign, 4 exponent bits of bias 7, 3 mantissa bits) as floats 2^-8 times their value: the bits
 // moved into a half's places (5 exponent bits of bias 15, 10 mantissa bits) make a half of that value exactly, the
@@ -178,8 +184,8 @@ void fused_columns(const float* x, int64_t K, const Rows& w, int64_t n0, int64_t
   }
 }
 
-// ROWS output columns for more than 8 rows of X (a prefill chunk, a batch's verify): the ROWS weight rows widened
-// once into `wide` (stride K), then ROWS_X rows of X at a time against them.
+// ROWS output columns for 9 to PANEL_FROM rows of X (a batch's verify): the ROWS weight rows widened once into
+// `wide` (stride K), then ROWS_X rows of X at a time against them, as dot products (no transposed panel to make).
 template <int64_t R>
 void buffered(const float* x, int64_t M, int64_t K, const float* wide, int64_t rows, float* y, int64_t N, int64_t n0) {
   int64_t body = K - K % LANES;
@@ -216,6 +222,50 @@ void widened(const float* x, int64_t M, int64_t K, const Rows& w, int64_t n0, in
   buffered<ROWS_X>(x, M, K, wide.data(), rows, y, N, n0);
 }
 
+// Columns [n0, n0 + cols), cols <= PANEL, for more than PANEL_FROM rows of X (a prefill chunk): the weight
+// rows widened once into `panel`, transposed ([K, PANEL]: a row of it holds one input's weights for every column),
+// then BLOCK_X rows of X at a time, each input broadcast against the panel's row into BLOCK_X x PANEL / 16 vector
+// accumulators: every widened weight serves all M rows from the core's cache, as in an SGEMM.
+template <int64_t R>
+void panel_product(const float* x, int64_t K, const float* panel, int64_t cols, float* y, int64_t N, int64_t n0) {
+  constexpr int64_t V = PANEL / LANES;
+  vf acc[R][V] = {};
+  for (int64_t k = 0; k < K; ++k) {
+    vf w[V];
+    for (int64_t v = 0; v < V; ++v) w[v] = load(panel + k * PANEL + v * LANES);
+    for (int64_t r = 0; r < R; ++r) {
+      vf xv = splat(x[r * K + k]);
+      for (int64_t v = 0; v < V; ++v) acc[r][v] += xv * w[v];
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    float out[PANEL];
+    for (int64_t v = 0; v < V; ++v) store(out + v * LANES, acc[r][v]);
+    std::memcpy(y + r * N + n0, out, sizeof(float) * cols);
+  }
+}
+
+template <class Rows>
+void paneled(const float* x, int64_t M, int64_t K, const Rows& w, int64_t n0, int64_t cols, float* y, int64_t N) {
+  thread_local std::vector<float> panel;
+  if (int64_t(panel.size()) < K * PANEL) panel.assign(K * PANEL, 0.0f);
+  int64_t body = K - K % LANES;
+  for (int64_t j = 0; j < PANEL; ++j) {
+    if (j >= cols) {                                   // past the last column: zeros, never written out
+      for (int64_t k = 0; k < K; ++k) panel[k * PANEL + j] = 0.0f;
+      continue;
+    }
+    for (int64_t k = 0; k < body; k += LANES) {
+      vf chunk = w.chunk(n0 + j, k);
+      for (int64_t i = 0; i < LANES; ++i) panel[(k + i) * PANEL + j] = chunk[i];
+    }
+    for (int64_t k = body; k < K; ++k) panel[k * PANEL + j] = w.at(n0 + j, k);
+  }
+  int64_t m = 0;
+  for (; m + BLOCK_X <= M; m += BLOCK_X) panel_product<BLOCK_X>(x + m * K, K, panel.data(), cols, y + m * N, N, n0);
+  for (; m < M; ++m) panel_product<1>(x + m * K, K, panel.data(), cols, y + m * N, N, n0);
+}
+
 // ROWS output columns for up to 8 rows of X (a decode, a verify of k + 1 at batch 1).
 template <class Rows>
 void fused_rows(const float* x, int64_t M, int64_t K, const Rows& w, int64_t n0, int64_t rows, float* y, int64_t N) {
@@ -233,6 +283,10 @@ void fused_rows(const float* x, int64_t M, int64_t K, const Rows& w, int64_t n0,
 
 template <class Rows>
 void columns(const float* x, int64_t M, int64_t K, const Rows& w, int64_t first, int64_t last, float* y, int64_t N) {
+  if (M > PANEL_FROM) {
+    for (int64_t n0 = first; n0 < last; n0 += PANEL) paneled(x, M, K, w, n0, std::min(PANEL, last - n0), y, N);
+    return;
+  }
   for (int64_t n0 = first; n0 < last; n0 += ROWS) {
     int64_t rows = std::min(ROWS, last - n0);
     if (M > 8) widened(x, M, K, w, n0, rows, y, N);
@@ -243,17 +297,19 @@ void columns(const float* x, int64_t M, int64_t K, const Rows& w, int64_t first,
 struct Work {
   const float* x;
   float* y;
-  int64_t M, K, N, groups_per_task;
+  int64_t M, K, N, span;          // span: output columns per task
   E4m3Rows e4m3;
   Bf16Rows bf16;
   bool is_e4m3;
 };
 
-// One task: groups_per_task groups of ROWS output columns.
+// Output columns per task: about TASK_WEIGHTS weights, whole panels.
+inline int64_t task_span(int64_t K) { return std::max<int64_t>(PANEL, TASK_WEIGHTS / K / PANEL * PANEL); }
+
+// One task: `span` output columns.
 void task(void* data, size_t index) {
   const Work& work = *static_cast<const Work*>(data);
-  int64_t first = int64_t(index) * work.groups_per_task * ROWS;
-  int64_t last = std::min(work.N, first + work.groups_per_task * ROWS);
+  int64_t first = int64_t(index) * work.span, last = std::min(work.N, first + work.span);
   if (work.is_e4m3) columns(work.x, work.M, work.K, work.e4m3, first, last, work.y, work.N);
   else columns(work.x, work.M, work.K, work.bf16, first, last, work.y, work.N);
 }
@@ -298,9 +354,8 @@ struct Kernel {
       std::memset(work.y, 0, sizeof(float) * work.M * work.N);
       return;
     }
-    int64_t groups = (work.N + ROWS - 1) / ROWS;
-    work.groups_per_task = std::max<int64_t>(1, TASK_WEIGHTS / (ROWS * work.K));
-    size_t tasks = size_t((groups + work.groups_per_task - 1) / work.groups_per_task);
+    work.span = task_span(work.K);
+    size_t tasks = size_t((work.N + work.span - 1) / work.span);
     Ort::ThrowOnError(Ort::GetApi().KernelContext_ParallelFor(raw, task, tasks, 0, &work));
   }
 };
@@ -405,7 +460,7 @@ struct MoeKernel {
     }
     for (bool down : {false, true}) {
       int64_t N = down ? D : I, K = down ? I : D;
-      int64_t span = std::max<int64_t>(ROWS, TASK_WEIGHTS / K / ROWS * ROWS);
+      int64_t span = task_span(K);
       work.tasks.clear();
       for (size_t a = 0; a < work.active.size(); ++a)
         for (int64_t c = 0; c < N; c += span) work.tasks.push_back({int64_t(a), c, std::min(N, c + span)});

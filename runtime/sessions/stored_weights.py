@@ -19,6 +19,7 @@ graph is left as it is (stock kernels, float32 weights), with one warning naming
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import shutil
 import subprocess
@@ -42,6 +43,9 @@ HEADERS = "V4ENGINE_ORT_INCLUDE"        # the folder of onnxruntime_cxx_api.h (d
 CACHE_DIR = "V4ENGINE_CACHE_DIR"        # where the compiled library is kept (default ~/.cache/v4engine)
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC", "-shared", "-fvisibility=hidden")
 LANES = 16                              # columns the kernels widen at once: an FP8 scale block must hold whole ones
+SMALLEST = 1 << 21                      # weights a projection needs for its kernel: below 2M (8 MiB as float32, twice
+                                        # a core's L2 here) MLAS over float32 from the cache beat the kernels at every
+                                        # row count measured (benchmarks/RESULTS.md), and their float32 is little
 STORED = {TensorProto.FLOAT8E4M3FN: ("E4m3MatMul", TensorProto.UINT8),
           TensorProto.BFLOAT16: ("Bf16MatMul", TensorProto.UINT16)}    # stored type -> kernel, the bytes' type
 _lock = threading.Lock()
@@ -96,14 +100,17 @@ def _compile(compiler: str, include: Path, key: str) -> Path | str:
     return target
 
 
-def rewrite(model: ModelProto, files: Mapping[str, np.ndarray] | None = None, experts: bool = True) -> Rewritten:
+def rewrite(model: ModelProto, files: Mapping[str, np.ndarray] | None = None, experts: bool = True,
+            smallest: int | None = None) -> Rewritten:
     """Move every dense projection over a stored FP8 or bf16 weight to the kernels, in place (the module doc): a
     DequantizeLinear (axis 1, blocked by a multiple of 16) or Cast to float of a 2-D initializer read by nothing else,
     then a Transpose read only by a MatMul's second input, or a Gemm (transB, no bias, alpha 1) reading it as B.
     An FP8 weight holding a NaN code, or with a scale of 2^100 or more, stays with the stock kernels (the e4m3
     kernel reads neither). `files`: the in-memory weight files external initializers point into (location ->
     bytes). `experts`: also move each QMoE over MXFP4 experts to `Mxfp4MoE` (not for an engine built for QMoE's
-    int8 activations, which asked for that kernel)."""
+    int8 activations, which asked for that kernel). `smallest`: the fewest weights a projection moved has (default
+    SMALLEST)."""
+    smallest = SMALLEST if smallest is None else smallest
     graph = model.graph
     initializers = {t.name: t for t in graph.initializer}
     readers: dict[str, list[NodeProto]] = {}
@@ -121,7 +128,8 @@ def rewrite(model: ModelProto, files: Mapping[str, np.ndarray] | None = None, ex
             done.stored_bytes += sum(stored_nbytes(initializers[name]) for name in moe.input[2:])
             continue
         weight = _stored_weight(node, initializers, readers, outputs)
-        if weight is None or not _e4m3_kernel_reads(node, initializers, files or {}):
+        if weight is None or math.prod(initializers[weight].dims) < smallest \
+                or not _e4m3_kernel_reads(node, initializers, files or {}):
             continue
         chain = _projection(node.output[0], readers, outputs)
         if chain is None:

@@ -283,8 +283,8 @@ def main() -> None:
 
 
 SYSTEMS = {"transformers": "transformers eager (the oracle)",
-           "v4engine": "**v4engine MTP 0** (ONNX Runtime, dense weights read as stored)",
-           "v4engine stock": "v4engine MTP 0, ONNX Runtime's stock kernels (dense weights widened to float32)",
+           "v4engine": "**v4engine MTP 0** (ONNX Runtime, weights read as stored)",
+           "v4engine stock": "v4engine MTP 0, ONNX Runtime's stock kernels (weights widened at load)",
            "llama.cpp exact": "llama.cpp, F32 weights",
            "llama.cpp default": "llama.cpp, its default GGUF (FP8 as Q8_0)"}
 

@@ -80,12 +80,13 @@ inline vf bf16(const uint16_t* p) {
   return (vf)(__builtin_convertvector(half, vi) << 16);
 }
 
-inline float bf16_scalar(uint16_t h) {
-  uint32_t bits = uint32_t(h) << 16;
+inline float from_bits(uint32_t bits) {
   float v;
   std::memcpy(&v, &bits, 4);
   return v;
 }
+
+inline float bf16_scalar(uint16_t h) { return from_bits(uint32_t(h) << 16); }
 
 // The weight rows of each format, 16 columns at a time (`chunk`, k a multiple of 16 inside one scale block) or one
 // (`at`), widened to the float32 values DequantizeLinear or Cast makes.
@@ -112,12 +113,7 @@ struct Bf16Rows {
 constexpr float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
                             -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
-inline float e8m0_scale(uint8_t e) {
-  uint32_t bits = uint32_t(e) << 23;
-  float v;
-  std::memcpy(&v, &bits, 4);
-  return v;
-}
+inline float e8m0_scale(uint8_t e) { return from_bits(uint32_t(e) << 23); }
 
 struct Mxfp4Rows {
   const uint8_t* w;        // [N, K / 2]

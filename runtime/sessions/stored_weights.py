@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-
 from onnx import ModelProto, NodeProto, TensorProto, helper, numpy_helper
 
 from .widening import stored_nbytes
@@ -54,13 +53,14 @@ _built: dict[str, Path | str] = {}     # cache key -> the library, or why there 
 
 @dataclass
 class Rewritten:
-    """What `rewrite` did: projections moved to the kernels, by stored type, and the stored bytes they read."""
+    """What `rewrite` did: the nodes it made, by kernel, and the stored bytes they read."""
 
     projections: dict[str, int]
     stored_bytes: int
 
 
 def headers() -> Path | None:
+    """The folder of ONNX Runtime's C++ API header, or None where it is not."""
     folder = Path(os.environ.get(HEADERS) or Path(sys.prefix) / "include" / "onnxruntime")
     return folder if (folder / "onnxruntime_cxx_api.h").is_file() else None
 

@@ -15,7 +15,7 @@ from v4engine.runtime.budget import Limits
 from v4engine.runtime.generator import Generator
 from v4engine.runtime.sampling import RequestError, SamplingParams
 from v4engine.runtime.scheduler import CapacityError, Phase
-from v4engine.runtime.sessions.onnxruntime import OnnxRuntimeSession
+from v4engine.runtime.sessions.onnxruntime import ARENA_KEPT_ROWS, SHRINK_ARENA, OnnxRuntimeSession
 
 GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
 
@@ -255,3 +255,29 @@ def test_prompts_run_in_chunks_of_at_most_256_tokens_on_the_cpu_unless_asked_oth
     gpu = OnnxRuntimeSessionOptions(providers=("CUDAExecutionProvider", "CPUExecutionProvider"))
     assert OnnxRuntimeSession.prefill_chunk(gpu, None) is None
     assert OnnxRuntimeSession.prefill_chunk(OnnxRuntimeSessionOptions(), [0]) is None
+
+
+class RunOptionsSeen:
+    """An ONNX Runtime session that notes, per call, its token rows and whether it gave its arena back."""
+
+    def __init__(self, session):
+        self.session, self.calls = session, []
+
+    def run(self, names, feeds, options=None):
+        try:
+            shrink = options.get_run_config_entry(SHRINK_ARENA)
+        except (AttributeError, RuntimeError):          # no options, or none of that entry
+            shrink = None
+        self.calls.append((feeds["input_ids"].size, shrink))
+        return self.session.run(names, feeds, options)
+
+
+def test_on_the_cpu_a_call_longer_than_a_verify_gives_its_arena_back_and_a_decode_keeps_its_own(engine):
+    """ONNX Runtime's CPU arena keeps the most any call needed, so a call of more than ARENA_KEPT_ROWS token rows (a
+    prompt's chunk) frees at its end what it grew; a decode's or a verify's calls keep their regions (RESULTS.md)."""
+    generator = Generator.from_engine_dir(engine, mtp=3)
+    seen = generator.scheduler.target_session._session = RunOptionsSeen(generator.scheduler.target_session._session)
+    generator.generate(prompts(64, [ARENA_KEPT_ROWS + 36]), GREEDY)
+    long = [shrink for rows, shrink in seen.calls if rows > ARENA_KEPT_ROWS]
+    short = [shrink for rows, shrink in seen.calls if rows <= ARENA_KEPT_ROWS]
+    assert long == ["cpu:0"] and len(short) > 2 and set(short) == {None}

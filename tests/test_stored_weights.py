@@ -27,9 +27,11 @@ def e4m3_bytes(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
 
 
 def projection(stored: int, x_shape: list[int], n: int, k: int, rng: np.random.Generator, gemm: bool = False,
-               block: int = 128) -> ModelProto:
+               block: int = 128, groups: int = 1) -> ModelProto:
     """X [..., k] times a stored weight [n, k] as the exporter writes it: widened (blocked DequantizeLinear with its
-    float32 scales, or Cast), then Transpose and MatMul, or Gemm with transB."""
+    float32 scales, or Cast), then Transpose and MatMul, or Gemm with transB; with `groups`, V4's grouped wo_a: the
+    widened weight viewed as [groups, n / groups, k] (a Reshape to a Concat of constants), its last two axes
+    transposed, and X [groups, M, k] (or one X for all) times each."""
     if stored == E4M3:
         weight = helper.make_tensor("w", E4M3, [n, k], e4m3_bytes(rng, n, k).tobytes(), raw=True)
         scales = (2.0 ** rng.integers(-8, 4, (n, -(-k // block)))).astype(np.float32)
@@ -43,6 +45,15 @@ def projection(stored: int, x_shape: list[int], n: int, k: int, rng: np.random.G
         initializers = [weight]
     if gemm:
         nodes.append(helper.make_node("Gemm", ["x", "wide"], ["y"], transB=1))
+    elif groups > 1:
+        nodes += [helper.make_node("Constant", [], ["d0"], value_ints=[groups]),     # as torch's exporter writes
+                  helper.make_node("Constant", [], ["d1"], value=helper.make_tensor("d1", TensorProto.INT64, [1],
+                                                                                   [n // groups])),
+                  helper.make_node("Constant", [], ["d2"], value_ints=[-1]),
+                  helper.make_node("Concat", ["d0", "d1", "d2"], ["view"], axis=0),
+                  helper.make_node("Reshape", ["wide", "view"], ["grouped"]),
+                  helper.make_node("Transpose", ["grouped"], ["grouped_t"], perm=[0, 2, 1]),
+                  helper.make_node("MatMul", ["x", "grouped_t"], ["y"])]
     else:
         nodes += [helper.make_node("Transpose", ["wide"], ["wide_t"], perm=[1, 0]),
                   helper.make_node("MatMul", ["x", "wide_t"], ["y"])]
@@ -87,6 +98,41 @@ def test_the_kernels_compute_what_onnx_runtime_computes_from_widened_weights(ker
     assert np.allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("stored, x_shape, n, k, groups", [
+    (E4M3, [4, 3, 256], 32, 256, 4),          # V4's wo_a: each group's rows of X times its weight, a decode
+    (E4M3, [4, 70, 128], 64, 128, 4),         # a prefill chunk's panels
+    (E4M3, [2, 20, 128], 24, 128, 2),         # a batch's verify
+    (BF16, [5, 64], 24, 64, 3),               # one X [M, k] for every group
+    (BF16, [1, 12, 64], 24, 64, 2),           # one X [1, M, k] for every group
+])
+def test_grouped_projections_compute_what_onnx_runtime_computes(kernels, stored, x_shape, n, k, groups):
+    rng = np.random.default_rng(n * k + groups)
+    model = projection(stored, x_shape, n, k, rng, groups=groups)
+    stock = model.SerializeToString()
+    op = "E4m3MatMul" if stored == E4M3 else "Bf16MatMul"
+    assert stored_weights.rewrite(model, smallest=0).projections == {op: 1}
+    [node] = model.graph.node
+    assert node.op_type == op and helper.get_attribute_value(node.attribute[-1]) == groups
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    want, got = run(stock, x), run(model.SerializeToString(), x, kernels)
+    assert got.shape == want.shape == (groups, x_shape[-2], n // groups)
+    assert np.allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_a_grouped_product_the_kernel_cannot_take_stays_with_the_stock_kernels():
+    """Groups that do not divide the weight's rows, an X of unknown rank, another transpose: left as they are."""
+    rng = np.random.default_rng(2)
+    uneven = projection(BF16, [3, 4, 64], 24, 64, rng, groups=3)
+    [rows] = [node for node in uneven.graph.node if node.output[0] == "d1"]
+    rows.attribute[0].t.CopyFrom(helper.make_tensor("d1", TensorProto.INT64, [1], [7]))
+    unknown = projection(BF16, [3, 4, 64], 24, 64, rng, groups=3)
+    unknown.graph.input[0].type.tensor_type.ClearField("shape")
+    swapped = projection(BF16, [3, 4, 64], 24, 64, rng, groups=3)
+    swapped.graph.node[-2].attribute[0].ints[:] = [1, 2, 0]
+    for model in (uneven, unknown, swapped):
+        assert stored_weights.rewrite(model, smallest=0).projections == {}
+
+
 @pytest.mark.parametrize("scale", [0.5, 2.0 ** -126, 2.0 ** 99, 0.37])
 @pytest.mark.parametrize("x_rows", [1, 5])                   # the fused kernel (decode) and the buffered one
 def test_every_e4m3_code_widens_to_dequantize_linears_value(kernels, scale, x_rows):
@@ -123,7 +169,7 @@ def test_a_weight_holding_nan_or_a_huge_scale_stays_with_the_stock_kernels(code)
 
 
 def test_small_projections_stay_with_the_stock_kernels():
-    """Below SMALLEST weights MLAS over float32 from the cache is faster: by default those are not moved."""
+    """Below SMALLEST weights MLAS over float32 from a core's L2 is faster: by default those are not moved."""
     rng = np.random.default_rng(0)
     small, large = projection(BF16, [1, 64], 64, 64, rng), projection(BF16, [1, 64], 64, 64, rng)
     assert stored_weights.rewrite(small).projections == {}

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import math
 import os
 import threading
 import warnings
@@ -87,6 +88,9 @@ _qmoe_lock = threading.Lock()
 DEVICE_PROVIDERS = {"CUDAExecutionProvider": "cuda", "MIGraphXExecutionProvider": None}
 Provider = str | tuple[str, dict]
 CPU_PREFILL_CHUNK = 256     # prompt tokens per call on the CPU: less arena than 512, about as fast (RESULTS.md)
+ARENA_KEPT_ROWS = 64        # token rows of a call whose intermediates the CPU arena keeps (a verify of 8 x 8 at most);
+                            # a longer call (a prompt's chunk, a drafter's catch-up) gives back what it grew
+SHRINK_ARENA = "memory.enable_memory_arena_shrinkage"   # the run option: free the arena's unused regions after a call
 BFLOAT16 = NUMPY_DTYPES["bf16"]                          # ml_dtypes' bfloat16
 GRAPH_ID = "gpu_graph_id"                                # the run option naming a call's recorded graph (-1: none)
 
@@ -309,6 +313,10 @@ class OnnxRuntimeSession(EngineSession):
         self._eager = ort.RunOptions()
         if self._recording:
             self._eager.add_run_config_entry(GRAPH_ID, "-1")
+        self._long: ort.RunOptions | None = None    # a long call's options: on the CPU, the arena given back after it
+        if place.gpu is None and not load_check:
+            self._long = ort.RunOptions()
+            self._long.add_run_config_entry(SHRINK_ARENA, "cpu:0")
         self._captured: StaticCalls | None = None
         buckets = captured_buckets(manifest.compiled.profiles[graph], manifest.compiled.cuda_graphs, self.inputs) \
             if place.cuda_graphs else []
@@ -347,18 +355,30 @@ class OnnxRuntimeSession(EngineSession):
     def run(self, feeds: dict[str, Any]) -> dict[str, Any]:
         self._weights.check_intact()         # ONNX Runtime reads weights in place: a cut file would be SIGBUS
         bucket = self._captured and self._captured.bucket_for(feeds)
+        options = self._run_options(feeds)
         try:
             if bucket:
                 outputs = self._captured.run(feeds, bucket)
             elif self.pool_device is None:
-                outputs = dict(zip(self._output_names, self._session.run(self._output_names, feeds)))
+                outputs = dict(zip(self._output_names, self._session.run(self._output_names, feeds, options)))
             else:
-                outputs = self._run_bound(feeds)
+                outputs = self._run_bound(feeds, options)
         except Exception as e:      # noqa: BLE001 - ONNX Runtime's errors share no base class below Exception
             raise EngineRunError(f"{self._graph}: ONNX Runtime failed to run it ({first_line(e)})") from None
+        if options is self._long:
+            release_freed_heap()        # what the arena gave back, glibc gives to the system
         return checked_outputs(self, feeds, outputs, self._graph)
 
-    def _run_bound(self, feeds: dict[str, Any]) -> dict[str, Any]:
+    def _run_options(self, feeds: dict[str, Any]) -> ort.RunOptions:
+        """A call's run options. ONNX Runtime's CPU arena keeps the most any call needed (a prompt's chunk: most of
+        what the slice held after a generation, RESULTS.md), so a call of more than ARENA_KEPT_ROWS token rows
+        frees at its end the regions it left unused; a decode's calls keep theirs (shrinking at a decode had made
+        every decode after it slower)."""
+        ids = feeds.get("input_ids")
+        long = ids is not None and math.prod(ids.shape) > ARENA_KEPT_ROWS
+        return self._long if long and self._long is not None else self._eager
+
+    def _run_bound(self, feeds: dict[str, Any], options: ort.RunOptions) -> dict[str, Any]:
         """One call through an IOBinding: torch tensors (the pools) bound where they are by DLPack, host arrays
         copied to the device by ONNX Runtime; new rows left on the device where the provider allows."""
         binding = self._session.io_binding()
@@ -372,7 +392,7 @@ class OnnxRuntimeSession(EngineSession):
                 binding.bind_output(name, self._bind_outputs, self._device_id)
             else:
                 binding.bind_output(name)
-        self._session.run_with_iobinding(binding, self._eager)
+        self._session.run_with_iobinding(binding, options)
         binding.synchronize_outputs()   # new rows are read on torch's stream next: ONNX Runtime's must be done
         outputs = {}
         for name, value in zip(self._output_names, binding.get_outputs()):

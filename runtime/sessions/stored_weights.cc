@@ -4,6 +4,9 @@
 //   v4engine.cpu::E4m3MatMul(X [..., K] float, W [N, K] uint8 e4m3 bytes, S [N, K / block] float) -> [..., N]
 //   v4engine.cpu::Bf16MatMul(X [..., K] float, W [N, K] uint16 bf16 bits)                          -> [..., N]
 //
+// With the attribute groups = G > 1, W's rows are G weights of N / G rows each (V4's grouped wo_a) and X is [G, M, K]
+// (group g's rows) or [M, K] / [1, M, K] (every group's): Y [G, M, N / G], group g's rows times its weight.
+//
 // Y = X W^T with W widened exactly inside the kernel: an e4m3 value times its block's scale, or a bf16 value, is a
 // float32 exactly, the very value ONNX Runtime's DequantizeLinear or Cast would have made, so only the order of the
 // float32 sums differs from the stock MatMul over widened weights. ONNX Runtime's stock CPU kernels take float32
@@ -312,47 +315,63 @@ void task(void* data, size_t index) {
 
 struct Kernel {
   bool is_e4m3;
-  int64_t block = 0;
+  int64_t block = 0, groups = 1;
 
   Kernel(const OrtKernelInfo* info, bool e4m3) : is_e4m3(e4m3) {
-    if (e4m3) block = Ort::ConstKernelInfo(info).GetAttribute<int64_t>("block_size");
+    Ort::ConstKernelInfo kernel(info);
+    if (e4m3) block = kernel.GetAttribute<int64_t>("block_size");
+    try {
+      groups = kernel.GetAttribute<int64_t>("groups");
+    } catch (const Ort::Exception&) {     // not given: one group
+    }
   }
 
   void Compute(OrtKernelContext* raw) {
     Ort::KernelContext context(raw);
     Ort::ConstValue X = context.GetInput(0), W = context.GetInput(1);
     std::vector<int64_t> xs = X.GetTensorTypeAndShapeInfo().GetShape(), ws = W.GetTensorTypeAndShapeInfo().GetShape();
-    if (ws.size() != 2 || xs.empty() || xs.back() != ws[1])
-      ORT_CXX_API_THROW("v4engine.cpu matmul: X [..., K] and W [N, K] disagree", ORT_INVALID_ARGUMENT);
+    if (ws.size() != 2 || xs.empty() || xs.back() != ws[1] || groups < 1 || ws[0] % groups)
+      ORT_CXX_API_THROW("v4engine.cpu matmul: X [..., K] and W [N, K] (N a multiple of groups) disagree",
+                        ORT_INVALID_ARGUMENT);
+    bool shared = groups == 1 || xs.size() == 2 || (xs.size() == 3 && xs[0] == 1);    // every group reads all of X
+    if (groups > 1 && !shared && (xs.size() != 3 || xs[0] != groups))
+      ORT_CXX_API_THROW("v4engine.cpu matmul: grouped X is not [groups, M, K], [M, K] or [1, M, K]",
+                        ORT_INVALID_ARGUMENT);
     Work work{};
     work.K = ws[1];
-    work.N = ws[0];
+    work.N = ws[0] / groups;
     work.M = 1;
-    for (size_t i = 0; i + 1 < xs.size(); ++i) work.M *= xs[i];
+    for (size_t i = groups > 1 && xs.size() == 3 ? 1 : 0; i + 1 < xs.size(); ++i) work.M *= xs[i];
     work.is_e4m3 = is_e4m3;
+    int64_t blocks = 0;
     if (is_e4m3) {
       std::vector<int64_t> ss = context.GetInput(2).GetTensorTypeAndShapeInfo().GetShape();
-      int64_t blocks = block > 0 ? (work.K + block - 1) / block : 0;
-      if (block <= 0 || block % LANES || ss.size() != 2 || ss[0] != work.N || ss[1] != blocks)
+      blocks = block > 0 ? (work.K + block - 1) / block : 0;
+      if (block <= 0 || block % LANES || ss.size() != 2 || ss[0] != ws[0] || ss[1] != blocks)
         ORT_CXX_API_THROW("E4m3MatMul: block_size is not a multiple of 16, or S is not [N, ceil(K / block_size)]",
                           ORT_INVALID_ARGUMENT);
-      work.e4m3 = {W.GetTensorData<uint8_t>(), context.GetInput(2).GetTensorData<float>(), work.K, block, blocks};
-    } else {
-      work.bf16 = {W.GetTensorData<uint16_t>(), work.K};
     }
     std::vector<int64_t> ys(xs.begin(), xs.end() - 1);
+    if (groups > 1) ys = {groups, work.M};
     ys.push_back(work.N);
     Ort::UnownedValue Y = context.GetOutput(0, ys);
-    work.x = X.GetTensorData<float>();
-    work.y = Y.GetTensorMutableData<float>();
     if (work.M == 0 || work.N == 0) return;
     if (work.K == 0) {
-      std::memset(work.y, 0, sizeof(float) * work.M * work.N);
+      std::memset(Y.GetTensorMutableData<float>(), 0, sizeof(float) * groups * work.M * work.N);
       return;
     }
     work.span = task_span(work.K);
     size_t tasks = size_t((work.N + work.span - 1) / work.span);
-    Ort::ThrowOnError(Ort::GetApi().KernelContext_ParallelFor(raw, task, tasks, 0, &work));
+    for (int64_t g = 0; g < groups; ++g) {       // group g: its rows of X (or all of X), its N rows of W
+      work.x = X.GetTensorData<float>() + (shared ? 0 : g * work.M * work.K);
+      work.y = Y.GetTensorMutableData<float>() + g * work.M * work.N;
+      if (is_e4m3)
+        work.e4m3 = {W.GetTensorData<uint8_t>() + g * work.N * work.K,
+                     context.GetInput(2).GetTensorData<float>() + g * work.N * blocks, work.K, block, blocks};
+      else
+        work.bf16 = {W.GetTensorData<uint16_t>() + g * work.N * work.K, work.K};
+      Ort::ThrowOnError(Ort::GetApi().KernelContext_ParallelFor(raw, task, tasks, 0, &work));
+    }
   }
 };
 

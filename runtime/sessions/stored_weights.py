@@ -6,8 +6,8 @@ then multiplies by it (MatMul of its transpose, or Gemm with transB). ONNX Runti
 its GEMMs read float32: 4 bytes a weight, resident and read every token, where the checkpoint stores 1 (e4m3) or 2
 (bf16). Its routed experts run in QMoE over int8 codes made at load from the MXFP4 bytes (1.125 bytes a weight
 against 0.53), whose exact path widens each chosen expert to float32 per call. Here, before a CPU session is made,
-each projection chain becomes one node of v4engine's kernels (stored_weights.cc: `E4m3MatMul`, `Bf16MatMul`) and
-each QMoE one `Mxfp4MoE`, reading the stored bytes in place, memory-mapped from the checkpoint's files, and widening
+each projection chain becomes one node of v4engine's kernels (stored_weights.cc: `E4m3MatMul`, `Bf16MatMul`; V4's
+grouped wo_a too, G weights stacked in one, with the attribute `groups`) and each QMoE one `Mxfp4MoE`, reading the stored bytes in place, memory-mapped from the checkpoint's files, and widening
 them inside: a value of e4m3 times its power-of-two block scale, of bf16, or of e2m1 times 2^(e-127), is a float32
 exactly, the one DequantizeLinear, Cast or QMoE's codes make, so only the order of the float32 sums changes.
 
@@ -42,9 +42,10 @@ HEADERS = "V4ENGINE_ORT_INCLUDE"        # the folder of onnxruntime_cxx_api.h (d
 CACHE_DIR = "V4ENGINE_CACHE_DIR"        # where the compiled library is kept (default ~/.cache/v4engine)
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC", "-shared", "-fvisibility=hidden")
 LANES = 16                              # columns the kernels widen at once: an FP8 scale block must hold whole ones
-SMALLEST = 1 << 21                      # weights a projection needs for its kernel: below 2M (8 MiB as float32, twice
-                                        # a core's L2 here) MLAS over float32 from the cache beat the kernels at every
-                                        # row count measured (benchmarks/RESULTS.md), and their float32 is little
+SMALLEST = 1 << 18                      # weights a projection needs for its kernel: below 256K (1 MiB as float32, half
+                                        # a core's L2 here; every projection of tiny-v4) MLAS over float32 is faster
+                                        # and its float32 is little; above (the slice's 0.5-2M) a decode is as fast
+                                        # either way and the float32 copies held 76 MiB (benchmarks/RESULTS.md)
 STORED = {TensorProto.FLOAT8E4M3FN: ("E4m3MatMul", TensorProto.UINT8),
           TensorProto.BFLOAT16: ("Bf16MatMul", TensorProto.UINT16)}    # stored type -> kernel, the bytes' type
 _lock = threading.Lock()
@@ -104,8 +105,8 @@ def rewrite(model: ModelProto, files: Mapping[str, np.ndarray] | None = None, ex
             smallest: int | None = None) -> Rewritten:
     """Move every dense projection over a stored FP8 or bf16 weight to the kernels, in place (the module doc): a
     DequantizeLinear (axis 1, blocked by a multiple of 16) or Cast to float of a 2-D initializer read by nothing else,
-    then a Transpose read only by a MatMul's second input, or a Gemm (transB, no bias, alpha 1) reading it as B.
-    An FP8 weight holding a NaN code, or with a scale of 2^100 or more, stays with the stock kernels (the e4m3
+    then a Transpose read only by a MatMul's second input, or a Gemm (transB, no bias, alpha 1) reading it as B, or
+    a Reshape into G groups of rows, a Transpose of the last two axes and a MatMul (V4's grouped wo_a). An FP8 weight holding a NaN code, or with a scale of 2^100 or more, stays with the stock kernels (the e4m3
     kernel reads neither). `files`: the in-memory weight files external initializers point into (location ->
     bytes). `experts`: also move each QMoE over MXFP4 experts to `Mxfp4MoE` (not for an engine built for QMoE's
     int8 activations, which asked for that kernel). `smallest`: the fewest weights a projection moved has (default
@@ -118,6 +119,7 @@ def rewrite(model: ModelProto, files: Mapping[str, np.ndarray] | None = None, ex
         for name in node.input:
             readers.setdefault(name, []).append(node)
     outputs = {o.name for o in graph.output}
+    shapes = _shapes(graph)
     gone, added, done, codes = set(), {}, Rewritten({}, 0), {}
     for node in graph.node:
         moe = _stored_experts(node, initializers, files or {}) if experts else None
@@ -131,13 +133,16 @@ def rewrite(model: ModelProto, files: Mapping[str, np.ndarray] | None = None, ex
         if weight is None or math.prod(initializers[weight].dims) < smallest \
                 or not _e4m3_kernel_reads(node, initializers, files or {}):
             continue
-        chain = _projection(node.output[0], readers, outputs)
-        if chain is None:
+        found = _projection(node.output[0], list(initializers[weight].dims), readers, outputs, shapes)
+        if found is None:
             continue
+        chain, groups = found
         stored = initializers[weight]
         op, bytes_type = STORED[stored.data_type]
         x, y = chain[-1].input[0], chain[-1].output[0]
         attributes = {"block_size": _attribute(node, "block_size")} if op == "E4m3MatMul" else {}
+        if groups > 1:
+            attributes["groups"] = groups
         added[id(chain[-1])] = helper.make_node(op, [x, *node.input[: 2 if op == "E4m3MatMul" else 1]], [y],
                                                 name=f"{y}.stored", domain=DOMAIN, **attributes)
         gone.update(id(n) for n in (node, *chain[:-1]))
@@ -267,28 +272,82 @@ def _bytes(tensor: TensorProto, files: Mapping[str, np.ndarray]) -> np.ndarray:
     return files[entry["location"]][start:start + int(entry["length"])]
 
 
-def _projection(widened: str, readers: dict[str, list[NodeProto]], outputs: set[str]) -> list[NodeProto] | None:
-    """The nodes that multiply by the widened weight [N, K] as X W^T, the product last: [Transpose, MatMul] or
-    [Gemm]; None for any other use."""
-    users = readers.get(widened, [])
-    if widened in outputs or len(users) != 1 or users[0].domain not in ("", "ai.onnx"):
+def _projection(widened: str, dims: list[int], readers: dict[str, list[NodeProto]], outputs: set[str],
+                shapes: Shapes) -> tuple[list[NodeProto], int] | None:
+    """The nodes that multiply by the widened weight [N, K] as X W^T, the product last, and the number of groups:
+    [Transpose, MatMul] or [Gemm] (one group); [Reshape to [G, N / G, K], Transpose of the last two, MatMul of an X
+    of rank 2 or 3] (G groups: V4's wo_a, a [N / G, K] weight per group); None for any other use."""
+    user = _only_reader(widened, readers, outputs)
+    if user is None:
         return None
-    user = users[0]
     if user.op_type == "Gemm":
         plain = (len(user.input) == 2 or not user.input[2]) and user.input[1] == widened and user.input[0] != widened
         ok = plain and _attribute(user, "transB") == 1 and not _attribute(user, "transA") \
             and _attribute(user, "alpha") in (None, 1.0)
-        return [user] if ok else None
-    if user.op_type != "Transpose" or _attribute(user, "perm") not in (None, [1, 0]) or user.output[0] in outputs:
+        return ([user], 1) if ok else None
+    chain, groups, perm = [], 1, (None, [1, 0])
+    if user.op_type == "Reshape" and user.input[0] == widened:
+        shape = shapes.value(user.input[1]) if len(user.input) == 2 else None
+        if shape is None or len(shape) != 3 or shape[0] <= 0 or shape[1] <= 0 or shape[0] * shape[1] != dims[0] \
+                or shape[2] not in (dims[1], -1):
+            return None
+        chain, groups, perm = [user], int(shape[0]), ([0, 2, 1],)
+        user = _only_reader(user.output[0], readers, outputs)
+    if user is None or user.op_type != "Transpose" or _attribute(user, "perm") not in perm:
         return None
-    products = readers.get(user.output[0], [])
-    if len(products) != 1:
-        return None
-    product = products[0]
-    if product.op_type != "MatMul" or product.domain not in ("", "ai.onnx") \
+    product = _only_reader(user.output[0], readers, outputs)
+    if product is None or product.op_type != "MatMul" \
             or list(product.input) != [product.input[0], user.output[0]] or product.input[0] == user.output[0]:
         return None
-    return [user, product]
+    if groups > 1 and shapes.rank(product.input[0]) not in (2, 3):     # the kernel's grouped X (stored_weights.cc)
+        return None
+    return [*chain, user, product], groups
+
+
+def _only_reader(name: str, readers: dict[str, list[NodeProto]], outputs: set[str]) -> NodeProto | None:
+    """The one standard node reading `name`, where nothing else (nor the graph's caller) does."""
+    users = readers.get(name, [])
+    if name in outputs or len(users) != 1 or users[0].domain not in ("", "ai.onnx"):
+        return None
+    return users[0]
+
+
+@dataclass
+class Shapes:
+    """What a graph says of its values' shapes: the value of small integer constants (initializers, Constant nodes
+    and Concats of them: a Reshape's target) and the rank of values (value_info, or a Transpose's perm)."""
+
+    constants: dict[str, np.ndarray]
+    ranks: dict[str, int]
+
+    def value(self, name: str) -> list[int] | None:
+        value = self.constants.get(name)
+        return None if value is None or value.dtype != np.int64 or value.ndim != 1 else value.tolist()
+
+    def rank(self, name: str) -> int | None:
+        return self.ranks.get(name)
+
+
+def _shapes(graph) -> Shapes:
+    constants = {t.name: numpy_helper.to_array(t) for t in graph.initializer
+                 if t.data_location != TensorProto.EXTERNAL and t.data_type == TensorProto.INT64}
+    ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in (*graph.input, *graph.value_info)
+             if v.type.tensor_type.HasField("shape")}
+    for node in graph.node:
+        if node.domain not in ("", "ai.onnx"):
+            continue
+        if node.op_type == "Constant" and len(node.attribute) == 1:
+            kind, value = node.attribute[0].name, helper.get_attribute_value(node.attribute[0])
+            if kind == "value_ints":
+                constants[node.output[0]] = np.array(value, np.int64)
+            elif kind == "value" and value.data_type == TensorProto.INT64:
+                constants[node.output[0]] = numpy_helper.to_array(value)
+        elif node.op_type == "Concat" and _attribute(node, "axis") in (0, -1) and node.input \
+                and all(i in constants and constants[i].ndim == 1 for i in node.input):
+            constants[node.output[0]] = np.concatenate([constants[i] for i in node.input])
+        elif node.op_type == "Transpose" and _attribute(node, "perm") is not None:
+            ranks.setdefault(node.output[0], len(_attribute(node, "perm")))
+    return Shapes(constants, ranks)
 
 
 def _attribute(node: NodeProto, name: str):

@@ -47,6 +47,7 @@ from pathlib import Path
 
 from benchmarks import built_engine
 from v4engine.builder.tiny import make_tiny
+from v4engine.runtime.sessions import stored_weights
 from v4engine.testkit import oracle
 
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
@@ -251,6 +252,9 @@ def main() -> None:
                    help="also write the prompts and every system's tokens and log-probs here as JSON (what "
                         "benchmarks/topk_ties.py reads)")
     args = p.parse_args()
+    kernels = stored_weights.library()
+    if isinstance(kernels, str):            # the "weights read as stored" rows would silently be the stock path
+        raise SystemExit(f"bench_llamacpp: {kernels}")
     checkpoint = args.checkpoint or args.work / "slice"
     if not (checkpoint / "config.json").is_file():
         make_tiny(checkpoint, config="slice", quantize="mxfp4", dtype="bfloat16")

@@ -262,7 +262,21 @@ void paneled(const float* x, int64_t M, int64_t K, const Rows& w, int64_t n0, in
   }
   int64_t m = 0;
   for (; m + BLOCK_X <= M; m += BLOCK_X) panel_product<BLOCK_X>(x + m * K, K, panel.data(), cols, y + m * N, N, n0);
-  for (; m < M; ++m) panel_product<1>(x + m * K, K, panel.data(), cols, y + m * N, N, n0);
+  x += m * K, y += m * N;
+  switch (M - m) {        // the last M % BLOCK_X rows in one pass (one at a time, each would wait on its sums)
+    case 0: return;
+    case 1: return panel_product<1>(x, K, panel.data(), cols, y, N, n0);
+    case 2: return panel_product<2>(x, K, panel.data(), cols, y, N, n0);
+    case 3: return panel_product<3>(x, K, panel.data(), cols, y, N, n0);
+    case 4: return panel_product<4>(x, K, panel.data(), cols, y, N, n0);
+    case 5: return panel_product<5>(x, K, panel.data(), cols, y, N, n0);
+    case 6: return panel_product<6>(x, K, panel.data(), cols, y, N, n0);
+    case 7: return panel_product<7>(x, K, panel.data(), cols, y, N, n0);
+    case 8: return panel_product<8>(x, K, panel.data(), cols, y, N, n0);
+    case 9: return panel_product<9>(x, K, panel.data(), cols, y, N, n0);
+    case 10: return panel_product<10>(x, K, panel.data(), cols, y, N, n0);
+    default: return panel_product<11>(x, K, panel.data(), cols, y, N, n0);
+  }
 }
 
 // ROWS output columns for up to 8 rows of X (a decode, a verify of k + 1 at batch 1).

@@ -84,6 +84,7 @@ def kernels():
     (BF16, [5, 64], 33, 64, False),
     (BF16, [2, 1, 100], 7, 100, False),
     (BF16, [9, 48], 4, 48, True),
+    (BF16, [100, 72], 21, 72, False),        # a prefill chunk's panels: a last panel of 21 columns, K % 16 = 8
 ])
 def test_the_kernels_compute_what_onnx_runtime_computes_from_widened_weights(kernels, stored, x_shape, n, k, gemm):
     rng = np.random.default_rng(n * k)

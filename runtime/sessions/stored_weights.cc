@@ -14,12 +14,12 @@
 //
 // The output columns are split into tasks of about TASK_WEIGHTS weights over ONNX Runtime's intra-op pool
 // (KernelContext_ParallelFor). Up to 8 rows of X (a decode, a verify at batch 1) multiply ROWS weight rows at a time
-// as they widen, in vector accumulators: each stored byte is read once per call. More rows (a batch's verify) widen
-// ROWS weight rows into a float32 buffer first, which ROWS_X rows of X at a time multiply as dot products; more than
-// PANEL_FROM (a prefill chunk) widen PANEL weight rows into a transposed panel, which BLOCK_X rows of X at a time
-// multiply as an SGEMM's kernel does (each input broadcast against a panel row). One widening serves every token of
-// the call. Those products run at 0.3-0.8 times MLAS's SGEMM over float32 weights here: a prefill pays for what a
-// decode saves.
+// as they widen, in vector accumulators: each stored byte is read once per call. Up to PANEL_FROM rows widen ROWS
+// weight rows into a float32 buffer first, which ROWS_X rows of X at a time multiply as dot products; more (a batch's
+// verify, a prefill chunk) widen PANEL weight rows into a panel transposed 16 x 16 in registers, which BLOCK_X rows
+// of X at a time multiply as an SGEMM's kernel does (each input broadcast against a panel row). One widening serves
+// every token of the call. Those products run at 0.5-1.05 times MLAS's SGEMM over float32 weights here (24 to 256
+// rows): a prefill pays a little for what a decode saves.
 #define ORT_API_MANUAL_INIT
 #include <onnxruntime_cxx_api.h>
 #undef ORT_API_MANUAL_INIT
@@ -38,7 +38,7 @@ namespace {
 constexpr int64_t LANES = 16;     // floats in a vector
 constexpr int64_t ROWS = 4;       // weight rows (output columns) widened together
 constexpr int64_t ROWS_X = 6;     // rows of X per pass over a widened group: 6 x 4 accumulators in registers
-constexpr int64_t PANEL_FROM = 64;   // more rows of X than this: transposed panels (their making pays from about here)
+constexpr int64_t PANEL_FROM = 16;   // more rows of X than this: transposed panels (their making pays from about here)
 constexpr int64_t PANEL = 32;     // output columns widened together for many rows of X (two vectors)
 constexpr int64_t BLOCK_X = 12;   // rows of X per pass over a panel: 12 x 2 accumulators in registers
 constexpr int64_t TASK_WEIGHTS = 1 << 16;   // weights per task of the intra-op pool, about (fewer tasks, less overhead)
@@ -183,7 +183,7 @@ void fused_columns(const float* x, int64_t K, const Rows& w, int64_t n0, int64_t
   }
 }
 
-// ROWS output columns for 9 to PANEL_FROM rows of X (a batch's verify): the ROWS weight rows widened once into
+// ROWS output columns for 9 to PANEL_FROM rows of X (a verify at batch 2): the ROWS weight rows widened once into
 // `wide` (stride K), then ROWS_X rows of X at a time against them, as dot products (no transposed panel to make).
 template <int64_t R>
 void buffered(const float* x, int64_t M, int64_t K, const float* wide, int64_t rows, float* y, int64_t N, int64_t n0) {
@@ -244,21 +244,46 @@ void panel_product(const float* x, int64_t K, const float* panel, int64_t cols, 
   }
 }
 
+// A 16 x 16 block in registers transposed: r[i] lane j becomes r[j] lane i (three rounds of interleaving pairs:
+// 32-bit elements, 64-bit pairs, then 128-bit quarters twice).
+inline void transpose16(vf r[LANES]) {
+  vf t[LANES];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i)
+    for (int h = 0; h < 2; ++h) {
+      __m512d a = _mm512_castps_pd(t[4 * i + h]), b = _mm512_castps_pd(t[4 * i + h + 2]);
+      r[4 * i + 2 * h] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+      r[4 * i + 2 * h + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    }
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 4; ++j) {
+      t[8 * i + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + j + 4], 0x88);
+      t[8 * i + j + 4] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + j + 4], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0xdd);
+  }
+}
+
 template <class Rows>
 void paneled(const float* x, int64_t M, int64_t K, const Rows& w, int64_t n0, int64_t cols, float* y, int64_t N) {
   thread_local std::vector<float> panel;
   if (int64_t(panel.size()) < K * PANEL) panel.assign(K * PANEL, 0.0f);
   int64_t body = K - K % LANES;
-  for (int64_t j = 0; j < PANEL; ++j) {
-    if (j >= cols) {                                   // past the last column: zeros, never written out
-      for (int64_t k = 0; k < K; ++k) panel[k * PANEL + j] = 0.0f;
-      continue;
-    }
+  for (int64_t j0 = 0; j0 < PANEL; j0 += LANES) {      // 16 columns at a time, 16 inputs of each transposed at once
     for (int64_t k = 0; k < body; k += LANES) {
-      vf chunk = w.chunk(n0 + j, k);
-      for (int64_t i = 0; i < LANES; ++i) panel[(k + i) * PANEL + j] = chunk[i];
+      vf block[LANES];
+      for (int64_t j = 0; j < LANES; ++j)              // past the last column: zeros, never written out
+        block[j] = j0 + j < cols ? w.chunk(n0 + j0 + j, k) : vf{};
+      transpose16(block);
+      for (int64_t i = 0; i < LANES; ++i) store(panel.data() + (k + i) * PANEL + j0, block[i]);
     }
-    for (int64_t k = body; k < K; ++k) panel[k * PANEL + j] = w.at(n0 + j, k);
+    for (int64_t k = body; k < K; ++k)
+      for (int64_t j = j0; j < j0 + LANES; ++j) panel[k * PANEL + j] = j < cols ? w.at(n0 + j, k) : 0.0f;
   }
   int64_t m = 0;
   for (; m + BLOCK_X <= M; m += BLOCK_X) panel_product<BLOCK_X>(x + m * K, K, panel.data(), cols, y + m * N, N, n0);

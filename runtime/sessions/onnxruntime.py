@@ -89,7 +89,7 @@ DEVICE_PROVIDERS = {"CUDAExecutionProvider": "cuda", "MIGraphXExecutionProvider"
 Provider = str | tuple[str, dict]
 CPU_PREFILL_CHUNK = 256     # prompt tokens per call on the CPU: less arena than 512, about as fast (RESULTS.md)
 ARENA_KEPT_ROWS = 64        # token rows of a call whose intermediates the CPU arena keeps (a verify of 8 x 8 at most);
-                            # a longer call (a prompt's chunk, a drafter's catch-up) gives back what it grew
+                            # what longer calls (a prompt's chunks, a drafter's catch-up) grew is given back after them
 SHRINK_ARENA = "memory.enable_memory_arena_shrinkage"   # the run option: free the arena's unused regions after a call
 BFLOAT16 = NUMPY_DTYPES["bf16"]                          # ml_dtypes' bfloat16
 GRAPH_ID = "gpu_graph_id"                                # the run option naming a call's recorded graph (-1: none)
@@ -313,10 +313,11 @@ class OnnxRuntimeSession(EngineSession):
         self._eager = ort.RunOptions()
         if self._recording:
             self._eager.add_run_config_entry(GRAPH_ID, "-1")
-        self._long: ort.RunOptions | None = None    # a long call's options: on the CPU, the arena given back after it
+        self._shrink: ort.RunOptions | None = None  # on the CPU: a call that gives back what the arena grew
+        self._grown = False                          # a call longer than ARENA_KEPT_ROWS ran since the last shrink
         if place.gpu is None and not load_check:
-            self._long = ort.RunOptions()
-            self._long.add_run_config_entry(SHRINK_ARENA, "cpu:0")
+            self._shrink = ort.RunOptions()
+            self._shrink.add_run_config_entry(SHRINK_ARENA, "cpu:0")
         self._captured: StaticCalls | None = None
         buckets = captured_buckets(manifest.compiled.profiles[graph], manifest.compiled.cuda_graphs, self.inputs) \
             if place.cuda_graphs else []
@@ -365,18 +366,22 @@ class OnnxRuntimeSession(EngineSession):
                 outputs = self._run_bound(feeds, options)
         except Exception as e:      # noqa: BLE001 - ONNX Runtime's errors share no base class below Exception
             raise EngineRunError(f"{self._graph}: ONNX Runtime failed to run it ({first_line(e)})") from None
-        if options is self._long:
+        if options is self._shrink:
             release_freed_heap()        # what the arena gave back, glibc gives to the system
         return checked_outputs(self, feeds, outputs, self._graph)
 
     def _run_options(self, feeds: dict[str, Any]) -> ort.RunOptions:
         """A call's run options. ONNX Runtime's CPU arena keeps the most any call needed (a prompt's chunk: most of
-        what the slice held after a generation, RESULTS.md), so a call of more than ARENA_KEPT_ROWS token rows
-        frees at its end the regions it left unused; a decode's calls keep theirs (shrinking at a decode had made
-        every decode after it slower)."""
+        what the slice held after a generation, RESULTS.md), so the first call of at most ARENA_KEPT_ROWS token rows
+        after longer ones frees at its end the regions they grew: a prompt's chunks reuse theirs (given back after
+        each, tiny-v4's 4,000-token first token took 8% longer), the decodes after it keep their own."""
         ids = feeds.get("input_ids")
-        long = ids is not None and math.prod(ids.shape) > ARENA_KEPT_ROWS
-        return self._long if long and self._long is not None else self._eager
+        if ids is not None and math.prod(ids.shape) > ARENA_KEPT_ROWS:
+            self._grown = True
+        elif self._grown and self._shrink is not None:
+            self._grown = False
+            return self._shrink
+        return self._eager
 
     def _run_bound(self, feeds: dict[str, Any], options: ort.RunOptions) -> dict[str, Any]:
         """One call through an IOBinding: torch tensors (the pools) bound where they are by DLPack, host arrays

@@ -43,9 +43,10 @@ CACHE_DIR = "V4ENGINE_CACHE_DIR"        # where the compiled library is kept (de
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC", "-shared", "-fvisibility=hidden")
 LANES = 16                              # columns the kernels widen at once: an FP8 scale block must hold whole ones
 SMALLEST = 1 << 18                      # weights a projection needs for its kernel: below 256K (1 MiB as float32, half
-                                        # a core's L2 here; every projection of tiny-v4) MLAS over float32 is faster
-                                        # and its float32 is little; above (the slice's 0.5-2M) a decode is as fast
-                                        # either way and the float32 copies held 76 MiB (benchmarks/RESULTS.md)
+                                        # a core's L2 here; tiny-v4's projections, not its head) MLAS over float32 is
+                                        # faster and its float32 is little; above (the slice's 0.5-2M, tiny-v4's head)
+                                        # a decode is as fast or faster and the float32 copies held 76 MiB on the
+                                        # slice (benchmarks/RESULTS.md)
 STORED = {TensorProto.FLOAT8E4M3FN: ("E4m3MatMul", TensorProto.UINT8),
           TensorProto.BFLOAT16: ("Bf16MatMul", TensorProto.UINT16)}    # stored type -> kernel, the bytes' type
 _lock = threading.Lock()

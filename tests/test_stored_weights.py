@@ -291,6 +291,32 @@ def test_experts_move_to_the_kernel_unless_a_scale_is_e8m0s_edge(exponent, moved
                                                          "l.ffn.routed.w2.0.0.fp4", "l.ffn.routed.w2.0.0.fp4.e8m0"]
 
 
+def sinkhorn_model(rounds: int, eps: float = 1e-6) -> ModelProto:
+    """One mHC Sinkhorn node as an engine's graph holds it: the plugins' op with its ONNX function (a Loop)."""
+    from v4engine.plugins.common import DOMAIN, OPSET
+    from v4engine.plugins.sinkhorn import NAME, sinkhorn_function
+
+    node = helper.make_node(NAME, ["x"], ["y"], domain=DOMAIN, rounds=rounds, eps=eps)
+    graph = helper.make_graph([node], "sinkhorn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(DOMAIN, 1)],
+                             functions=[sinkhorn_function()])
+
+
+@pytest.mark.parametrize("rounds, shape", [(19, [1, 1, 4, 4]), (19, [2, 7, 4, 4]), (19, [1, 300, 4, 4]),
+                                           (0, [3, 4, 4]), (5, [2, 2, 3, 3])])
+def test_mhc_sinkhorn_in_one_kernel_node_computes_what_onnx_runtimes_loop_computes(kernels, rounds, shape):
+    """A decode's matrices, a verify's, a prefill chunk's (over the pool), no rounds at all, another N: the same
+    divisions in the same order, so the same values up to the order of four-term sums."""
+    model = sinkhorn_model(rounds)
+    stock = model.SerializeToString()
+    assert stored_weights.rewrite(model).projections == {"HcSinkhorn": 1}
+    assert [(n.domain, n.op_type) for n in model.graph.node] == [(stored_weights.DOMAIN, "HcSinkhorn")]
+    x = (np.random.default_rng(rounds).random(shape) + 0.01).astype(np.float32)
+    want, got = run(stock, x), run(model.SerializeToString(), x, kernels)
+    assert got.shape == want.shape and np.abs(got - want).max() < 1e-6
+
+
 @pytest.fixture(scope="module")
 def stored_engine(tiny_engine):
     """FP8 dense weights, MXFP4 routed experts and bf16 tensors, as the releases store them."""
@@ -324,7 +350,9 @@ def test_an_engines_dense_projections_all_move_to_the_kernels(stored_engine):
     weights = folder.map_weights(manifest.weights)
     model = ModelProto.FromString(read_graph(folder, manifest.graphs["target"], weights))
     experts = sum(n.op_type == "QMoE" for n in model.graph.node)
+    sinkhorns = sum((n.domain, n.op_type) == stored_weights.SINKHORN for n in model.graph.node)
     done = stored_weights.rewrite(model, weights.maps, smallest=0)
+    assert done.projections["HcSinkhorn"] == sinkhorns > 0
     assert done.projections["E4m3MatMul"] > 0 and done.projections["Bf16MatMul"] > 0
     assert done.projections["Mxfp4MoE"] == experts > 0
     ops = {n.op_type for n in model.graph.node}

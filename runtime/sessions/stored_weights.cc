@@ -3,6 +3,7 @@
 //
 //   v4engine.cpu::E4m3MatMul(X [..., K] float, W [N, K] uint8 e4m3 bytes, S [N, K / block] float) -> [..., N]
 //   v4engine.cpu::Bf16MatMul(X [..., K] float, W [N, K] uint16 bf16 bits)                          -> [..., N]
+//   (and, below, v4engine.cpu::Mxfp4MoE for the routed experts and v4engine.cpu::HcSinkhorn for mHC's Sinkhorn)
 //
 // With the attribute groups = G > 1, W's rows are G weights of N / G rows each (V4's grouped wo_a) and X is [G, M, K]
 // (group g's rows) or [M, K] / [1, M, K] (every group's): Y [G, M, N / G], group g's rows times its weight.
@@ -552,6 +553,83 @@ struct MoeOp : Ort::CustomOpBase<MoeOp, MoeKernel> {
 
 MoeOp moe_op;
 
+// v4engine.cpu::HcSinkhorn(comb [..., N, N] float) -> [..., N, N]: mHC's Sinkhorn (plugins/sinkhorn.py), `rounds`
+// rounds of rows then columns, each divided by its sum + eps, in one node where the engine's function inlines to an
+// ONNX Loop of six nodes a round (about 70 us a call at one token on this CPU, most of it the Loop's own).
+struct SinkhornWork {
+  float* y;
+  int64_t n, matrices, span, rounds;
+  float eps;
+};
+
+void sinkhorn_task(void* data, size_t index) {
+  const SinkhornWork& work = *static_cast<const SinkhornWork*>(data);
+  int64_t n = work.n, last = std::min(work.matrices, int64_t(index + 1) * work.span);
+  for (int64_t m = int64_t(index) * work.span; m < last; ++m) {
+    float* a = work.y + m * n * n;
+    for (int64_t r = 0; r < work.rounds; ++r) {
+      for (int64_t i = 0; i < n; ++i) {
+        float sum = 0.0f;
+        for (int64_t j = 0; j < n; ++j) sum += a[i * n + j];
+        float den = sum + work.eps;
+        for (int64_t j = 0; j < n; ++j) a[i * n + j] /= den;
+      }
+      for (int64_t j = 0; j < n; ++j) {
+        float sum = 0.0f;
+        for (int64_t i = 0; i < n; ++i) sum += a[i * n + j];
+        float den = sum + work.eps;
+        for (int64_t i = 0; i < n; ++i) a[i * n + j] /= den;
+      }
+    }
+  }
+}
+
+struct SinkhornKernel {
+  int64_t rounds;
+  float eps;
+
+  SinkhornKernel(const OrtKernelInfo* info) {
+    Ort::ConstKernelInfo kernel(info);
+    rounds = kernel.GetAttribute<int64_t>("rounds");
+    eps = kernel.GetAttribute<float>("eps");
+  }
+
+  void Compute(OrtKernelContext* raw) {
+    Ort::KernelContext context(raw);
+    Ort::ConstValue X = context.GetInput(0);
+    std::vector<int64_t> shape = X.GetTensorTypeAndShapeInfo().GetShape();
+    if (shape.size() < 2 || shape.back() != shape[shape.size() - 2] || rounds < 0)
+      ORT_CXX_API_THROW("HcSinkhorn: comb is not [..., N, N], or rounds is negative", ORT_INVALID_ARGUMENT);
+    SinkhornWork work{};
+    work.n = shape.back();
+    work.matrices = 1;
+    for (size_t i = 0; i + 2 < shape.size(); ++i) work.matrices *= shape[i];
+    work.rounds = rounds;
+    work.eps = eps;
+    Ort::UnownedValue Y = context.GetOutput(0, shape);
+    work.y = Y.GetTensorMutableData<float>();
+    size_t total = size_t(work.matrices * work.n * work.n);
+    if (total == 0) return;
+    std::memcpy(work.y, X.GetTensorData<float>(), sizeof(float) * total);
+    work.span = 64;                 // matrices per task: a decode's few in one, a prefill chunk's over the pool
+    size_t tasks = size_t((work.matrices + work.span - 1) / work.span);
+    if (tasks == 1) sinkhorn_task(&work, 0);
+    else Ort::ThrowOnError(Ort::GetApi().KernelContext_ParallelFor(raw, sinkhorn_task, tasks, 0, &work));
+  }
+};
+
+struct SinkhornOp : Ort::CustomOpBase<SinkhornOp, SinkhornKernel> {
+  void* CreateKernel(const OrtApi&, const OrtKernelInfo* info) const { return new SinkhornKernel(info); }
+  const char* GetName() const { return "HcSinkhorn"; }
+  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
+  size_t GetInputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetInputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+  size_t GetOutputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+};
+
+SinkhornOp sinkhorn_op;
+
 template <bool E4M3>
 struct Op : Ort::CustomOpBase<Op<E4M3>, Kernel> {
   void* CreateKernel(const OrtApi&, const OrtKernelInfo* info) const { return new Kernel(info, E4M3); }
@@ -579,6 +657,7 @@ OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_b
     domain.Add(&e4m3_op);
     domain.Add(&bf16_op);
     domain.Add(&moe_op);
+    domain.Add(&sinkhorn_op);
     Ort::UnownedSessionOptions(options).Add(domain);
     domain.release();       // ONNX Runtime reads the domain for as long as sessions made with it live
   } catch (const Ort::Exception& e) {

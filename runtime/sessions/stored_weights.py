@@ -7,9 +7,11 @@ its GEMMs read float32: 4 bytes a weight, resident and read every token, where t
 (bf16). Its routed experts run in QMoE over int8 codes made at load from the MXFP4 bytes (1.125 bytes a weight
 against 0.53), whose exact path widens each chosen expert to float32 per call. Here, before a CPU session is made,
 each projection chain becomes one node of v4engine's kernels (stored_weights.cc: `E4m3MatMul`, `Bf16MatMul`; V4's
-grouped wo_a too, G weights stacked in one, with the attribute `groups`) and each QMoE one `Mxfp4MoE`, reading the stored bytes in place, memory-mapped from the checkpoint's files, and widening
-them inside: a value of e4m3 times its power-of-two block scale, of bf16, or of e2m1 times 2^(e-127), is a float32
-exactly, the one DequantizeLinear, Cast or QMoE's codes make, so only the order of the float32 sums changes.
+grouped wo_a too, G weights stacked in one, with the attribute `groups`) and each QMoE one `Mxfp4MoE`, reading the
+stored bytes in place, memory-mapped from the checkpoint's files, and widening them inside: a value of e4m3 times
+its power-of-two block scale, of bf16, or of e2m1 times 2^(e-127), is a float32 exactly, the one DequantizeLinear,
+Cast or QMoE's codes make, so only the order of the float32 sums changes. The same library takes mHC's Sinkhorn
+(`HcSinkhorn`), whose ONNX function ONNX Runtime runs as a Loop at a cost per round far above its arithmetic.
 
 The kernels are an ONNX Runtime custom-op library, compiled on first use with the machine's C++ compiler against
 ONNX Runtime's C API headers (`make setup` puts them in the virtual environment: scripts/ort_headers.py), and kept
@@ -47,6 +49,7 @@ SMALLEST = 1 << 18                      # weights a projection needs for its ker
                                         # faster and its float32 is little; above (the slice's 0.5-2M, tiny-v4's head)
                                         # a decode is as fast or faster and the float32 copies held 76 MiB on the
                                         # slice (benchmarks/RESULTS.md)
+SINKHORN = ("v4", "HcSinkhorn")         # the engine graphs' mHC Sinkhorn node (domain, op: plugins/sinkhorn.py)
 STORED = {TensorProto.FLOAT8E4M3FN: ("E4m3MatMul", TensorProto.UINT8),
           TensorProto.BFLOAT16: ("Bf16MatMul", TensorProto.UINT16)}    # stored type -> kernel, the bytes' type
 _lock = threading.Lock()
@@ -123,6 +126,11 @@ def rewrite(model: ModelProto, files: Mapping[str, np.ndarray] | None = None, ex
     shapes = _shapes(graph)
     gone, added, done, codes = set(), {}, Rewritten({}, 0), {}
     for node in graph.node:
+        sinkhorn = _sinkhorn(node)
+        if sinkhorn is not None:
+            added[id(node)] = sinkhorn
+            done.projections["HcSinkhorn"] = done.projections.get("HcSinkhorn", 0) + 1
+            continue
         moe = _stored_experts(node, initializers, files or {}) if experts else None
         if moe is not None:
             added[id(node)] = moe
@@ -199,6 +207,18 @@ def _stored_experts(node: NodeProto, initializers: dict[str, TensorProto], files
     return helper.make_node("Mxfp4MoE", [node.input[0], node.input[14], *weights], list(node.output),
                             name=f"{node.name or node.output[0]}.stored", domain=DOMAIN,
                             swiglu_limit=float(attributes["swiglu_limit"]))
+
+
+def _sinkhorn(node: NodeProto) -> NodeProto | None:
+    """The kernels' `HcSinkhorn` for the engine's (whose function ONNX Runtime would inline to a Loop of six nodes a
+    round: about 70 us a call at one token, where the kernel takes a few), or None for any other node."""
+    if (node.domain, node.op_type) != SINKHORN or len(node.input) != 1 or len(node.output) != 1:
+        return None
+    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    if not isinstance(attributes.get("rounds"), int) or not isinstance(attributes.get("eps"), float):
+        return None
+    return helper.make_node("HcSinkhorn", list(node.input), list(node.output), name=f"{node.name or node.output[0]}"
+                            ".kernel", domain=DOMAIN, rounds=attributes["rounds"], eps=attributes["eps"])
 
 
 def _codes_shapes(moe: NodeProto, initializers: dict[str, TensorProto]) -> dict[str, list[int]]:

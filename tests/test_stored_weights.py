@@ -205,6 +205,22 @@ def test_without_headers_the_graph_stays_stock_and_says_why(monkeypatch, tmp_pat
         assert stored_projections(model) == (model, None)
 
 
+def test_the_kernels_build_and_compute_on_a_cpu_without_avx512(monkeypatch, tmp_path):
+    """On AVX2 alone (F16C widening, panels transposed lane by lane) the library builds and computes the same: a
+    machine without AVX-512 keeps the kernels."""
+    monkeypatch.setenv(stored_weights.CACHE_DIR, str(tmp_path))
+    monkeypatch.setattr(stored_weights, "FLAGS", (*stored_weights.FLAGS, "-mno-avx512f"))
+    library = stored_weights.library()
+    assert not isinstance(library, str), library
+    rng = np.random.default_rng(5)
+    model = projection(E4M3, [70, 256], 40, 256, rng)           # a prefill chunk's panels, a partial last one
+    stock = model.SerializeToString()
+    stored_weights.rewrite(model, smallest=0)
+    x = rng.standard_normal((70, 256)).astype(np.float32)
+    want, got = run(stock, x), run(model.SerializeToString(), x, library)
+    assert np.allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float64)
 
 

@@ -246,9 +246,10 @@ void panel_product(const float* x, int64_t K, const float* panel, int64_t cols, 
 }
 
 // A 16 x 16 block in registers transposed: r[i] lane j becomes r[j] lane i (three rounds of interleaving pairs:
-// 32-bit elements, 64-bit pairs, then 128-bit quarters twice).
+// 32-bit elements, 64-bit pairs, then 128-bit quarters twice; lane by lane without AVX-512).
 inline void transpose16(vf r[LANES]) {
   vf t[LANES];
+#if defined(__AVX512F__)
   for (int i = 0; i < 8; ++i) {
     t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
     t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
@@ -268,6 +269,11 @@ inline void transpose16(vf r[LANES]) {
     r[j] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88);
     r[j + 8] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0xdd);
   }
+#else
+  for (int i = 0; i < LANES; ++i)
+    for (int j = 0; j < LANES; ++j) t[i][j] = r[j][i];
+  for (int i = 0; i < LANES; ++i) r[i] = t[i];
+#endif
 }
 
 template <class Rows>

@@ -110,11 +110,12 @@ def rewrite(model: ModelProto, files: Mapping[str, np.ndarray] | None = None, ex
     """Move every dense projection over a stored FP8 or bf16 weight to the kernels, in place (the module doc): a
     DequantizeLinear (axis 1, blocked by a multiple of 16) or Cast to float of a 2-D initializer read by nothing else,
     then a Transpose read only by a MatMul's second input, or a Gemm (transB, no bias, alpha 1) reading it as B, or
-    a Reshape into G groups of rows, a Transpose of the last two axes and a MatMul (V4's grouped wo_a). An FP8 weight holding a NaN code, or with a scale of 2^100 or more, stays with the stock kernels (the e4m3
-    kernel reads neither). `files`: the in-memory weight files external initializers point into (location ->
-    bytes). `experts`: also move each QMoE over MXFP4 experts to `Mxfp4MoE` (not for an engine built for QMoE's
-    int8 activations, which asked for that kernel). `smallest`: the fewest weights a projection moved has (default
-    SMALLEST)."""
+    a Reshape into G groups of rows, a Transpose of the last two axes and a MatMul (V4's grouped wo_a). An FP8
+    weight holding a NaN code, or with a scale of 2^100 or more, stays with the stock kernels (the e4m3 kernel reads
+    neither). Each mHC Sinkhorn becomes the kernels' `HcSinkhorn`. `files`: the in-memory weight files external
+    initializers point into (location -> bytes). `experts`: also move each QMoE over MXFP4 experts to `Mxfp4MoE`
+    (not for an engine built for QMoE's int8 activations, which asked for that kernel). `smallest`: the fewest
+    weights a projection moved has (default SMALLEST)."""
     smallest = SMALLEST if smallest is None else smallest
     graph = model.graph
     initializers = {t.name: t for t in graph.initializer}
@@ -308,7 +309,7 @@ def _projection(widened: str, dims: list[int], readers: dict[str, list[NodeProto
         return ([user], 1) if ok else None
     chain, groups, perm = [], 1, (None, [1, 0])
     if user.op_type == "Reshape" and user.input[0] == widened:
-        shape = shapes.value(user.input[1]) if len(user.input) == 2 else None
+        shape = shapes.values.get(user.input[1]) if len(user.input) == 2 else None
         if shape is None or len(shape) != 3 or shape[0] <= 0 or shape[1] <= 0 or shape[0] * shape[1] != dims[0] \
                 or shape[2] not in (dims[1], -1):
             return None
@@ -320,7 +321,7 @@ def _projection(widened: str, dims: list[int], readers: dict[str, list[NodeProto
     if product is None or product.op_type != "MatMul" \
             or list(product.input) != [product.input[0], user.output[0]] or product.input[0] == user.output[0]:
         return None
-    if groups > 1 and shapes.rank(product.input[0]) not in (2, 3):     # the kernel's grouped X (stored_weights.cc)
+    if groups > 1 and shapes.ranks.get(product.input[0]) not in (2, 3):     # the kernel's grouped X (stored_weights.cc)
         return None
     return [*chain, user, product], groups
 
@@ -335,23 +336,16 @@ def _only_reader(name: str, readers: dict[str, list[NodeProto]], outputs: set[st
 
 @dataclass
 class Shapes:
-    """What a graph says of its values' shapes: the value of small integer constants (initializers, Constant nodes
-    and Concats of them: a Reshape's target) and the rank of values (value_info, or a Transpose's perm)."""
+    """What a graph says of its values' shapes: the values of 1-D int64 constants (initializers, Constant nodes and
+    Concats of them: a Reshape's target) and the ranks of values (value_info, or a Transpose's perm)."""
 
-    constants: dict[str, np.ndarray]
+    values: dict[str, list[int]]
     ranks: dict[str, int]
-
-    def value(self, name: str) -> list[int] | None:
-        value = self.constants.get(name)
-        return None if value is None or value.dtype != np.int64 or value.ndim != 1 else value.tolist()
-
-    def rank(self, name: str) -> int | None:
-        return self.ranks.get(name)
 
 
 def _shapes(graph) -> Shapes:
-    constants = {t.name: numpy_helper.to_array(t) for t in graph.initializer
-                 if t.data_location != TensorProto.EXTERNAL and t.data_type == TensorProto.INT64}
+    values = {t.name: numpy_helper.to_array(t).tolist() for t in graph.initializer
+              if t.data_location != TensorProto.EXTERNAL and t.data_type == TensorProto.INT64 and len(t.dims) == 1}
     ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in (*graph.input, *graph.value_info)
              if v.type.tensor_type.HasField("shape")}
     for node in graph.node:
@@ -360,15 +354,14 @@ def _shapes(graph) -> Shapes:
         if node.op_type == "Constant" and len(node.attribute) == 1:
             kind, value = node.attribute[0].name, helper.get_attribute_value(node.attribute[0])
             if kind == "value_ints":
-                constants[node.output[0]] = np.array(value, np.int64)
-            elif kind == "value" and value.data_type == TensorProto.INT64:
-                constants[node.output[0]] = numpy_helper.to_array(value)
-        elif node.op_type == "Concat" and _attribute(node, "axis") in (0, -1) and node.input \
-                and all(i in constants and constants[i].ndim == 1 for i in node.input):
-            constants[node.output[0]] = np.concatenate([constants[i] for i in node.input])
+                values[node.output[0]] = list(value)
+            elif kind == "value" and value.data_type == TensorProto.INT64 and len(value.dims) == 1:
+                values[node.output[0]] = numpy_helper.to_array(value).tolist()
+        elif node.op_type == "Concat" and node.input and all(i in values for i in node.input):
+            values[node.output[0]] = [v for i in node.input for v in values[i]]
         elif node.op_type == "Transpose" and _attribute(node, "perm") is not None:
             ranks.setdefault(node.output[0], len(_attribute(node, "perm")))
-    return Shapes(constants, ranks)
+    return Shapes(values, ranks)
 
 
 def _attribute(node: NodeProto, name: str):

@@ -21,7 +21,7 @@ import mmap
 import os
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
@@ -58,13 +58,26 @@ class WeightFile:
 
 
 @dataclass(frozen=True)
+class OpenedFile:
+    """Which file a weight file of engine.json was when the checks opened it: where (resolved) and its identity, so
+    that a reader opening it again (the embedding's rows: runtime/sessions/stored_weights.py) can tell it is still
+    the same file."""
+
+    path: Path
+    device: int
+    inode: int
+    bytes: int
+
+
+@dataclass(frozen=True)
 class MappedWeights:
     """The weight files a graph may reference: location -> read-only map (bytes), and the first byte a graph may
-    read there (past a safetensors header)."""
+    read there (past a safetensors header); and each file as it was opened."""
 
     maps: dict[str, np.ndarray]
     data_start: dict[str, int]
     _mmaps: dict[Path, mmap.mmap]             # by the file's path as the engine names it
+    opened: dict[str, OpenedFile] = field(default_factory=dict)
 
     def release_pages(self) -> None:
         """Drop the resident pages of the maps (after a backend copied or prepacked what it needs): they are
@@ -170,19 +183,21 @@ class EngineFolder:
         if len(weights) > MAX_WEIGHT_FILES:
             raise EngineFormatError(f"{self.manifest_path}: lists {len(weights)} weight files, more than "
                                     f"{MAX_WEIGHT_FILES}; refused")
-        maps, starts, mmaps = {}, {}, {}
+        maps, starts, mmaps, opened = {}, {}, {}, {}
         for i, w in enumerate(weights):
             path = self.weight_path(w, f"weights.files[{i}]")
             fd = self._open(path, self.directory / w.file)
             try:
                 starts[w.file] = self._check_weight(fd, w, self.directory / w.file)
+                status = os.fstat(fd)
+                opened[w.file] = OpenedFile(path, status.st_dev, status.st_ino, status.st_size)
                 mmaps[self.directory / w.file] = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
                 maps[w.file] = np.frombuffer(mmaps[self.directory / w.file], dtype=np.uint8)
             except OSError as e:
                 raise EngineFormatError(f"{self.directory / w.file}: cannot be mapped ({e.strerror})") from None
             finally:
                 os.close(fd)
-        return MappedWeights(maps, starts, mmaps)
+        return MappedWeights(maps, starts, mmaps, opened)
 
     def _check_weight(self, fd: int, w: WeightFile, display: Path) -> int:
         """Size and, for a checkpoint file, its safetensors header fingerprint; returns where its data start."""

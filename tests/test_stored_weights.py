@@ -333,6 +333,91 @@ def test_mhc_sinkhorn_in_one_kernel_node_computes_what_onnx_runtimes_loop_comput
     assert got.shape == want.shape and np.abs(got - want).max() < 1e-6
 
 
+def table_model(folder, stored: int, rows: int, columns: int, rng: np.random.Generator):
+    """An embedding as the engine graphs hold it: a [rows, columns] table in a weight file (after 100 bytes of
+    something else), gathered by ids [2, 3] and, if bf16, cast to float; saved beside its file. Returns the model, its
+    path and the table as float32."""
+    values = rng.standard_normal((rows, columns)).astype(np.float32)
+    raw = values.astype(ml_dtypes.bfloat16).view(np.uint16) if stored == BF16 else values
+    (folder / "table.bin").write_bytes(bytes(100) + raw.tobytes())
+    table = TensorProto(name="table", data_type=stored, dims=[rows, columns])
+    table.data_location = TensorProto.EXTERNAL
+    for key, value in (("location", "table.bin"), ("offset", "100"), ("length", str(raw.nbytes))):
+        table.external_data.add(key=key, value=value)
+    nodes = [helper.make_node("Gather", ["table", "ids"], ["rows" if stored == BF16 else "y"])]
+    if stored == BF16:
+        nodes.append(helper.make_node("Cast", ["rows"], ["y"], to=TensorProto.FLOAT))
+    graph = helper.make_graph(nodes, "embedding", [helper.make_tensor_value_info("ids", TensorProto.INT64, [2, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [table])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
+    (folder / "m.onnx").write_bytes(model.SerializeToString())
+    return model, folder / "m.onnx", values.astype(ml_dtypes.bfloat16).astype(np.float32) if stored == BF16 else values
+
+
+def opened_as_checked(path) -> dict:
+    """The weight file as the engine's checks would have opened it (contract/engine_folder.py)."""
+    from v4engine.contract.engine_folder import OpenedFile
+
+    status = path.stat()
+    return {path.name: OpenedFile(path, status.st_dev, status.st_ino, status.st_size)}
+
+
+def rows_session(model: ModelProto, library) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(str(library))
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("stored", [TensorProto.FLOAT, BF16])
+def test_the_embeddings_rows_are_read_from_its_file_as_gather_reads_them(kernels, tmp_path, stored):
+    """The table leaves the graph (nothing of it is mapped or held); the rows, a bf16 one widened, are Gather's and
+    Cast's values exactly: repeated ids, the last row, ids counted from the end."""
+    model, path, values = table_model(tmp_path, stored, 50, 40, np.random.default_rng(stored))
+    ids = np.array([[0, 49, 7], [7, -1, -50]], np.int64)
+    want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"ids": ids})[0]
+    done = stored_weights.rewrite(model, smallest=0, opened=opened_as_checked(tmp_path / "table.bin"))
+    assert done.projections == {"StoredRows": 1}
+    assert [n.op_type for n in model.graph.node] == ["StoredRows"] and not model.graph.initializer
+    got = rows_session(model, kernels).run(None, {"ids": ids})[0]
+    assert got.dtype == np.float32 and np.array_equal(got, want) and np.array_equal(got, values[ids])
+    with pytest.raises(Exception, match="StoredRows: an index is out of the table"):
+        rows_session(model, kernels).run(None, {"ids": np.array([[0, 1, 50], [0, 0, 0]], np.int64)})
+
+
+def test_a_tables_file_that_is_no_longer_the_checked_one_is_not_read(kernels, tmp_path):
+    """Replaced between the engine's checks and the session (another file now at the path), or cut short: the
+    session is not made, and says why."""
+    model, _, _ = table_model(tmp_path, BF16, 50, 40, np.random.default_rng(0))
+    opened = opened_as_checked(tmp_path / "table.bin")
+    stored_weights.rewrite(model, smallest=0, opened=opened)
+    (tmp_path / "other.bin").write_bytes((tmp_path / "table.bin").read_bytes())
+    (tmp_path / "other.bin").replace(tmp_path / "table.bin")
+    with pytest.raises(Exception, match="StoredRows: .*table.bin cannot be opened, is no longer the file"):
+        rows_session(model, kernels)
+
+
+def test_only_a_table_that_nothing_but_gathers_reads_moves(tmp_path):
+    """A table some other node reads too (a tied head, say) stays in the graph, mapped, as it is."""
+    model, _, _ = table_model(tmp_path, TensorProto.FLOAT, 50, 40, np.random.default_rng(0))
+    model.graph.node.append(helper.make_node("Transpose", ["table"], ["tied"]))
+    assert stored_weights.rewrite(model, smallest=0, opened=opened_as_checked(tmp_path / "table.bin")
+                                  ).projections == {}
+
+
+def test_a_graph_that_places_the_kernels_itself_is_refused():
+    """Only the runtime's rewrite may put v4engine's kernels in a graph, after checking what they read: an engine
+    whose graph names them (a StoredRows reading some other file, say) is refused before anything is loaded."""
+    from v4engine.contract.engine_folder import EngineFormatError
+
+    node = helper.make_node("StoredRows", ["ids"], ["y"], domain=stored_weights.DOMAIN, path="/etc/passwd")
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [1])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)]).SerializeToString()
+    with pytest.raises(EngineFormatError, match=r"^target.onnx: its nodes use the domain v4engine.cpu, which only "
+                                                r"the runtime places; refused$"):
+        stored_projections(model, graph="target.onnx")
+
+
 @pytest.fixture(scope="module")
 def stored_engine(tiny_engine):
     """FP8 dense weights, MXFP4 routed experts and bf16 tensors, as the releases store them."""

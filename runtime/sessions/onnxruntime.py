@@ -70,7 +70,7 @@ from v4engine.contract.backends import OnnxRuntimeCompiled
 from v4engine.contract.buckets import Bucket
 from v4engine.contract.calls import captured_buckets
 from v4engine.contract.engine import EngineManifest
-from v4engine.contract.engine_folder import ELEMENT_TYPES, EngineFolder, EngineFormatError, read_graph
+from v4engine.contract.engine_folder import ELEMENT_TYPES, EngineFolder, EngineFormatError, MappedWeights, read_graph
 from v4engine.contract.errors import V4EngineError
 from v4engine.contract.untrusted import first_line
 
@@ -200,11 +200,14 @@ def placement(folder: EngineFolder, manifest: EngineManifest, options: OnnxRunti
 
 
 def session_options(files: dict[str, np.ndarray], threads: int | None, alternating: bool, load_check: bool,
-                    kernels: Path | None = None) -> ort.SessionOptions:
+                    kernels: Path | None = None, memory_pattern: bool = True) -> ort.SessionOptions:
     """ONNX Runtime's options for one session: threads (the module doc), the load check's or a run's graph
-    optimizations, the weight files (location -> bytes: memory maps, widened weights) used in place, and v4engine's
-    kernel library where the graph uses it (stored_weights.py)."""
+    optimizations, the weight files (location -> bytes: memory maps, widened weights) used in place, v4engine's
+    kernel library where the graph uses it (stored_weights.py), and whether ONNX Runtime plans each call's memory
+    as one block by the inputs' shapes (`memory_pattern`; off on the CPU: a decode's shapes change with every token,
+    and the plans and blocks kept for them held 8 MiB more on the slice after four prompts, at the same speed)."""
     options = ort.SessionOptions()
+    options.enable_mem_pattern = memory_pattern
     if kernels is not None:
         options.register_custom_ops_library(str(kernels))
     options.log_severity_level = 3          # errors only: what goes wrong reaches the caller as one line
@@ -227,13 +230,18 @@ def session_options(files: dict[str, np.ndarray], threads: int | None, alternati
     return options
 
 
-def stored_projections(model: bytes, files: dict[str, np.ndarray] | None = None, experts: bool = True
-                       ) -> tuple[bytes, Path | None]:
-    """`model` with its dense FP8 and bf16 projections (and, `experts`, its MXFP4 routed experts) on v4engine's
-    kernels, and the kernels' library; or `model` as it is and None where it has none or the kernels cannot be built
-    here (said once: stored_weights.py). `files`: the weight files' maps by location."""
+def stored_projections(model: bytes, weights: MappedWeights | None = None, experts: bool = True,
+                       graph: object = "graph") -> tuple[bytes, Path | None]:
+    """`model` with its dense FP8 and bf16 projections (and, `experts`, its MXFP4 routed experts; its embedding's
+    rows) on v4engine's kernels, and the kernels' library; or `model` as it is and None where it has none or the
+    kernels cannot be built here (said once: stored_weights.py). `weights`: the engine's weight files. A graph that
+    places the kernels itself is refused (EngineFormatError naming `graph`)."""
     proto = ModelProto.FromString(model)
-    if not stored_weights.rewrite(proto, files, experts).projections:
+    try:
+        done = stored_weights.rewrite(proto, weights and weights.maps, experts, opened=weights and weights.opened)
+    except ValueError as e:
+        raise EngineFormatError(f"{graph}: {e}; refused") from None
+    if not done.projections:
         return model, None
     kernels = stored_weights.library()
     if isinstance(kernels, str):
@@ -281,7 +289,7 @@ class OnnxRuntimeSession(EngineSession):
         kernels = None
         if options.stored_weights and place.gpu is None and not load_check:
             int8 = manifest.compiled is not None and manifest.compiled.moe_activations == "int8"
-            model, kernels = stored_projections(model, weights.maps, experts=not int8)
+            model, kernels = stored_projections(model, weights, not int8, folder.directory / entry.file)
         try:
             with _moe_activations(manifest.compiled):
                 widened = WidenedGraph(model)
@@ -289,9 +297,9 @@ class OnnxRuntimeSession(EngineSession):
                     widened = widen_weights(model, weights, lambda files: session_options(
                         files, options.threads, alternating, load_check), folder.directory / entry.file)
                 files = {**weights.maps, **widened.buffers}
-                self._session = self._load(widened.model, session_options(files, options.threads, alternating,
-                                                                          load_check, kernels),
-                                           place.providers, folder.directory / entry.file)
+                self._session = self._load(widened.model, session_options(
+                    files, options.threads, alternating, load_check, kernels, memory_pattern=place.gpu is not None),
+                    place.providers, folder.directory / entry.file)
         except EngineFormatError:
             raise
         except Exception as e:      # noqa: BLE001 - ONNX Runtime's errors share no base class below Exception

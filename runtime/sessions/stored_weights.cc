@@ -3,7 +3,8 @@
 //
 //   v4engine.cpu::E4m3MatMul(X [..., K] float, W [N, K] uint8 e4m3 bytes, S [N, K / block] float) -> [..., N]
 //   v4engine.cpu::Bf16MatMul(X [..., K] float, W [N, K] uint16 bf16 bits)                          -> [..., N]
-//   (and, below, v4engine.cpu::Mxfp4MoE for the routed experts and v4engine.cpu::HcSinkhorn for mHC's Sinkhorn)
+//   (and, below, v4engine.cpu::Mxfp4MoE for the routed experts, v4engine.cpu::HcSinkhorn for mHC's Sinkhorn and
+//   v4engine.cpu::StoredRows for the embedding's rows, read from its file)
 //
 // With the attribute groups = G > 1, W's rows are G weights of N / G rows each (V4's grouped wo_a) and X is [G, M, K]
 // (group g's rows) or [M, K] / [1, M, K] (every group's): Y [G, M, N / G], group g's rows times its weight.
@@ -25,13 +26,18 @@
 #include <onnxruntime_cxx_api.h>
 #undef ORT_API_MANUAL_INIT
 
+#include <cerrno>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <fcntl.h>
 #include <immintrin.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
+#include <string>
 #include <vector>
 
 namespace {
@@ -636,6 +642,86 @@ struct SinkhornOp : Ort::CustomOpBase<SinkhornOp, SinkhornKernel> {
 
 SinkhornOp sinkhorn_op;
 
+// v4engine.cpu::StoredRows(ids int64 [...]) -> [..., columns] float: rows of a table (the embedding, float32 or bf16)
+// that lies in a weight file at `offset`, read from the file with pread instead of through its memory map. A token
+// touches one row of the table, but a page fault on a mapped file maps the pages around it too (the kernel's fault-
+// around, 64 KiB), so after a few hundred distinct tokens most of the table is resident (26 of the slice's 32 MiB
+// after four 200-token prompts); read here, a row costs a copy from the page cache and the table never enters the
+// process. The file is opened once, and must be the very file the runtime's checks opened and mapped (`device`,
+// `inode` and `file_bytes` as fstat gave them there: contract/engine_folder.py).
+struct RowsKernel {
+  int fd = -1;
+  int64_t offset, rows, columns, type, row_bytes;
+
+  explicit RowsKernel(const OrtKernelInfo* info) {
+    Ort::ConstKernelInfo kernel(info);
+    std::string path = kernel.GetAttribute<std::string>("path");
+    offset = kernel.GetAttribute<int64_t>("offset");
+    rows = kernel.GetAttribute<int64_t>("rows");
+    columns = kernel.GetAttribute<int64_t>("columns");
+    type = kernel.GetAttribute<int64_t>("type");
+    int64_t file_bytes = kernel.GetAttribute<int64_t>("file_bytes");
+    int64_t device = kernel.GetAttribute<int64_t>("device"), inode = kernel.GetAttribute<int64_t>("inode");
+    if ((type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && type != ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16) ||
+        rows <= 0 || columns <= 0 || rows > (int64_t(1) << 31) || columns > (int64_t(1) << 24) || offset < 0)
+      ORT_CXX_API_THROW("StoredRows: type, rows, columns or offset out of range", ORT_INVALID_ARGUMENT);
+    row_bytes = columns * (type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT ? 4 : 2);
+    fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+    struct stat st;
+    if (fd < 0 || fstat(fd, &st) != 0 || int64_t(st.st_dev) != device || int64_t(st.st_ino) != inode ||
+        st.st_size != file_bytes || offset > st.st_size || rows * row_bytes > st.st_size - offset) {
+      if (fd >= 0) close(fd);
+      ORT_CXX_API_THROW("StoredRows: " + path + " cannot be opened, is no longer the file the engine's checks "
+                        "opened, or does not hold the table", ORT_INVALID_ARGUMENT);
+    }
+  }
+
+  ~RowsKernel() { close(fd); }
+
+  void read_row(int64_t row, char* to) const {
+    for (int64_t done = 0; done < row_bytes;) {
+      ssize_t got = pread(fd, to + done, size_t(row_bytes - done), off_t(offset + row * row_bytes + done));
+      if (got < 0 && errno == EINTR) continue;
+      if (got <= 0) ORT_CXX_API_THROW("StoredRows: the table's file could not be read", ORT_FAIL);
+      done += got;
+    }
+  }
+
+  void Compute(OrtKernelContext* raw) {
+    Ort::KernelContext context(raw);
+    Ort::ConstValue ids = context.GetInput(0);
+    std::vector<int64_t> shape = ids.GetTensorTypeAndShapeInfo().GetShape();
+    size_t count = ids.GetTensorTypeAndShapeInfo().GetElementCount();
+    const int64_t* id = ids.GetTensorData<int64_t>();
+    shape.push_back(columns);
+    float* y = context.GetOutput(0, shape).GetTensorMutableData<float>();
+    std::vector<uint16_t> halves(type == ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16 ? columns : 0);
+    for (size_t i = 0; i < count; ++i) {
+      int64_t row = id[i] < 0 ? id[i] + rows : id[i];          // Gather's negative indices count from the end
+      if (row < 0 || row >= rows) ORT_CXX_API_THROW("StoredRows: an index is out of the table", ORT_INVALID_ARGUMENT);
+      float* out = y + i * columns;
+      if (halves.empty()) {
+        read_row(row, reinterpret_cast<char*>(out));
+        continue;
+      }
+      read_row(row, reinterpret_cast<char*>(halves.data()));
+      for (int64_t c = 0; c < columns; ++c) out[c] = bf16_scalar(halves[c]);
+    }
+  }
+};
+
+struct RowsOp : Ort::CustomOpBase<RowsOp, RowsKernel> {
+  void* CreateKernel(const OrtApi&, const OrtKernelInfo* info) const { return new RowsKernel(info); }
+  const char* GetName() const { return "StoredRows"; }
+  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
+  size_t GetInputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetInputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64; }
+  size_t GetOutputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+};
+
+RowsOp rows_op;
+
 template <bool E4M3>
 struct Op : Ort::CustomOpBase<Op<E4M3>, Kernel> {
   void* CreateKernel(const OrtApi&, const OrtKernelInfo* info) const { return new Kernel(info, E4M3); }
@@ -664,6 +750,7 @@ OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_b
     domain.Add(&bf16_op);
     domain.Add(&moe_op);
     domain.Add(&sinkhorn_op);
+    domain.Add(&rows_op);
     Ort::UnownedSessionOptions(options).Add(domain);
     domain.release();       // ONNX Runtime reads the domain for as long as sessions made with it live
   } catch (const Ort::Exception& e) {

@@ -11,7 +11,9 @@ grouped wo_a too, G weights stacked in one, with the attribute `groups`) and eac
 stored bytes in place, memory-mapped from the checkpoint's files, and widening them inside: a value of e4m3 times
 its power-of-two block scale, of bf16, or of e2m1 times 2^(e-127), is a float32 exactly, the one DequantizeLinear,
 Cast or QMoE's codes make, so only the order of the float32 sums changes. The same library takes mHC's Sinkhorn
-(`HcSinkhorn`), whose ONNX function ONNX Runtime runs as a Loop at a cost per round far above its arithmetic.
+(`HcSinkhorn`), whose ONNX function ONNX Runtime runs as a Loop at a cost per round far above its arithmetic, and
+the embedding's rows (`StoredRows`), read from the weight file by row: through the map, each row a token touched
+faulted in the 64 KiB around it, and most of the table became resident.
 
 The kernels are an ONNX Runtime custom-op library, compiled on first use with the machine's C++ compiler against
 ONNX Runtime's C API headers (`make setup` puts them in the virtual environment: scripts/ort_headers.py), and kept
@@ -35,6 +37,8 @@ from pathlib import Path
 
 import numpy as np
 from onnx import ModelProto, NodeProto, TensorProto, helper, numpy_helper
+
+from v4engine.contract.engine_folder import OpenedFile
 
 from .widening import stored_nbytes
 
@@ -106,7 +110,7 @@ def _compile(compiler: str, include: Path, key: str) -> Path | str:
 
 
 def rewrite(model: ModelProto, files: Mapping[str, np.ndarray] | None = None, experts: bool = True,
-            smallest: int | None = None) -> Rewritten:
+            smallest: int | None = None, opened: Mapping[str, OpenedFile] | None = None) -> Rewritten:
     """Move every dense projection over a stored FP8 or bf16 weight to the kernels, in place (the module doc): a
     DequantizeLinear (axis 1, blocked by a multiple of 16) or Cast to float of a 2-D initializer read by nothing else,
     then a Transpose read only by a MatMul's second input, or a Gemm (transB, no bias, alpha 1) reading it as B, or
@@ -115,17 +119,22 @@ def rewrite(model: ModelProto, files: Mapping[str, np.ndarray] | None = None, ex
     neither). Each mHC Sinkhorn becomes the kernels' `HcSinkhorn`. `files`: the in-memory weight files external
     initializers point into (location -> bytes). `experts`: also move each QMoE over MXFP4 experts to `Mxfp4MoE`
     (not for an engine built for QMoE's int8 activations, which asked for that kernel). `smallest`: the fewest
-    weights a projection moved has (default SMALLEST)."""
+    weights a projection moved has (default SMALLEST). `opened`: the weight files as the engine's checks opened them
+    (location -> OpenedFile); a table of at least `smallest` values there that only Gathers read (the embedding) is
+    then read by `StoredRows` from its file. A graph that already uses the kernels' domain is refused (ValueError):
+    only this rewrite may place them, as only it checks what they read."""
     smallest = SMALLEST if smallest is None else smallest
+    if DOMAIN in _domains(model):
+        raise ValueError(f"its nodes use the domain {DOMAIN}, which only the runtime places")
     graph = model.graph
     initializers = {t.name: t for t in graph.initializer}
     readers: dict[str, list[NodeProto]] = {}
     for node in graph.node:
         for name in node.input:
             readers.setdefault(name, []).append(node)
-    outputs = {o.name for o in graph.output}
+    inputs, outputs = {i.name for i in graph.input}, {o.name for o in graph.output}
     shapes = _shapes(graph)
-    gone, added, done, codes = set(), {}, Rewritten({}, 0), {}
+    gone, added, done, codes, tables = set(), {}, Rewritten({}, 0), {}, set()
     for node in graph.node:
         sinkhorn = _sinkhorn(node)
         if sinkhorn is not None:
@@ -138,6 +147,15 @@ def rewrite(model: ModelProto, files: Mapping[str, np.ndarray] | None = None, ex
             codes |= _codes_shapes(moe, initializers)
             done.projections["Mxfp4MoE"] = done.projections.get("Mxfp4MoE", 0) + 1
             done.stored_bytes += sum(stored_nbytes(initializers[name]) for name in moe.input[2:])
+            continue
+        table = _stored_table(node, initializers, readers, outputs, opened or {}, smallest) \
+            if node.input and node.input[0] not in inputs else None
+        if table is not None:
+            rows, cast = table
+            added[id(node)] = rows
+            gone.update(id(n) for n in cast)
+            tables.add(node.input[0])
+            done.projections["StoredRows"] = done.projections.get("StoredRows", 0) + 1
             continue
         weight = _stored_weight(node, initializers, readers, outputs)
         if weight is None or math.prod(initializers[weight].dims) < smallest \
@@ -169,6 +187,9 @@ def rewrite(model: ModelProto, files: Mapping[str, np.ndarray] | None = None, ex
         kept = [added.get(id(n), n) for n in graph.node if id(n) not in gone]
         del graph.node[:]
         graph.node.extend(_live(kept, outputs))
+        tables -= set().union(*map(_reads, graph.node))       # (a table some other reader kept stays)
+        for t in [t for t in graph.initializer if t.name in tables]:
+            graph.initializer.remove(t)                         # StoredRows reads it from its file
         if all(o.domain != DOMAIN for o in model.opset_import):
             model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
     return done
@@ -220,6 +241,54 @@ def _sinkhorn(node: NodeProto) -> NodeProto | None:
         return None
     return helper.make_node("HcSinkhorn", list(node.input), list(node.output), name=f"{node.name or node.output[0]}"
                             ".kernel", domain=DOMAIN, rounds=attributes["rounds"], eps=attributes["eps"])
+
+
+def _stored_table(node: NodeProto, initializers: dict[str, TensorProto], readers: dict[str, list[NodeProto]],
+                  outputs: set[str], opened: Mapping[str, OpenedFile], smallest: int
+                  ) -> tuple[NodeProto, list[NodeProto]] | None:
+    """The `StoredRows` node reading this Gather's rows from the weight file its table lies in, in the Gather's
+    place, and the nodes it also replaces (the Cast to float after a bf16 one), or None. Only for a 2-D float32 or bf16 table of
+    a file in `opened`, of at least `smallest` values, that nothing but Gathers on axis 0 reads."""
+    if (node.domain, node.op_type) not in (("", "Gather"), ("ai.onnx", "Gather")) or len(node.input) != 2 \
+            or (_attribute(node, "axis") or 0) != 0:
+        return None
+    table = initializers.get(node.input[0])
+    if table is None or table.data_location != TensorProto.EXTERNAL or len(table.dims) != 2 \
+            or table.data_type not in (TensorProto.FLOAT, TensorProto.BFLOAT16) or math.prod(table.dims) < smallest:
+        return None
+    if any(r.op_type != "Gather" or r.input[0] != table.name or r.input[1] == table.name
+           or (_attribute(r, "axis") or 0) != 0 for r in readers[table.name]):
+        return None
+    entry = {e.key: e.value for e in table.external_data}
+    where = opened.get(entry["location"])
+    if where is None or max(where.device, where.inode) >= 1 << 63:
+        return None
+    replaced, output = [], node.output[0]
+    if table.data_type == TensorProto.BFLOAT16:
+        cast = _only_reader(output, readers, outputs)
+        if cast is None or cast.op_type != "Cast" or _attribute(cast, "to") != TensorProto.FLOAT:
+            return None
+        replaced, output = [cast], cast.output[0]
+    rows = helper.make_node("StoredRows", [node.input[1]], [output], name=f"{output}.rows", domain=DOMAIN,
+                            path=str(where.path), device=where.device, inode=where.inode, file_bytes=where.bytes,
+                            offset=int(entry.get("offset", 0)), rows=table.dims[0], columns=table.dims[1],
+                            type=table.data_type)
+    return rows, replaced
+
+
+def _domains(model: ModelProto) -> set[str]:
+    """Every domain a node of `model` names: its graph's, its subgraphs' and its functions'."""
+    found, graphs = set(), [model.graph]
+    nodes = [n for f in model.functions for n in f.node]
+    while graphs or nodes:
+        if graphs:
+            nodes.extend(graphs.pop().node)
+            continue
+        node = nodes.pop()
+        found.add(node.domain)
+        for attribute in node.attribute:
+            graphs.extend([attribute.g] if attribute.type == attribute.GRAPH else attribute.graphs)
+    return found
 
 
 def _codes_shapes(moe: NodeProto, initializers: dict[str, TensorProto]) -> dict[str, list[int]]:

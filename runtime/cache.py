@@ -115,7 +115,7 @@ class CachePool:
             table = np.zeros((len(sequences), width), np.int64)
             for b, s in enumerate(sequences):
                 if s.blocks:
-                    table[b, : len(s.blocks)] = s.blocks
+                    table[b, : len(s.blocks)] = s.block_array()
                     table[b, len(s.blocks):] = s.blocks[-1]
             feeds[BLOCK_TABLE] = table
         return feeds | self.arrays
@@ -129,7 +129,23 @@ class SequenceCache:
         prefix fork, or a draft that recomputes its window)."""
         self.pool, self.length = pool, length
         self.slot = pool.take_slot()
-        self.blocks: list[int] = []
+        self.blocks = []
+
+    @property
+    def blocks(self) -> list[int]:
+        return self._blocks
+
+    @blocks.setter
+    def blocks(self, blocks: list[int]) -> None:
+        self._blocks, self._array = list(blocks), None
+
+    def block_array(self) -> np.ndarray:
+        """The blocks as int64, made again only when they change: a step's calls and commits read them, and at 32K
+        tokens a sequence holds about a thousand (a list made into an array each time grew a step's host work with
+        the context)."""
+        if self._array is None:
+            self._array = np.array(self._blocks, np.int64)
+        return self._array
 
     @property
     def nbytes(self) -> int:
@@ -141,7 +157,9 @@ class SequenceCache:
 
     def reserve(self, length: int) -> None:
         """Hold the blocks for `length` positions (PoolExhausted, and nothing taken, if the pool has too few)."""
-        self.blocks += self.pool.take_blocks(self.blocks_needed(length))
+        needed = self.blocks_needed(length)
+        if needed:
+            self.blocks = self.blocks + self.pool.take_blocks(needed)
 
     def release(self) -> None:
         self.pool.free_slot(self.slot)
@@ -160,7 +178,7 @@ class SequenceCache:
                 rows = np.arange(first, first + closed_windows(self.length, n, g.ratio))
                 count = len(rows)
                 if count:
-                    index = (np.array(self.blocks, np.int64)[rows // g.block_rows], rows % g.block_rows)
+                    index = (self.block_array()[rows // g.block_rows], rows % g.block_rows)
                     self.pool.storage_of[g.pool].write(pool, index, new[:count])
             else:      # only the last ring-size positions survive a long chunk: write just those, once each
                 count = min(n, g.rows_fixed)

@@ -113,6 +113,16 @@ def constant_node_reads_a_file_outside(engine, secret):
     onnx.save(graph, engine / "target.onnx")
 
 
+def graph_places_the_row_kernel_on_a_file_outside(engine, secret):
+    """v4engine's own kernel for the embedding reads rows from a file by path: only the runtime may place it."""
+    graph = onnx.load(engine / "target.onnx", load_external_data=False)
+    ids = graph.graph.input[0].name
+    graph.graph.node.insert(0, onnx.helper.make_node(
+        "StoredRows", [ids], ["stolen"], domain="v4engine.cpu", path=str(secret), device=0, inode=0, file_bytes=16,
+        offset=0, rows=1, columns=4, type=onnx.TensorProto.FLOAT))
+    onnx.save(graph, engine / "target.onnx")
+
+
 def graph_file_climbs_out(engine, secret):
     shutil.copy(engine / "target.onnx", secret.parent / "target.onnx")
     rewrite(engine, lambda d: d["graphs"]["target"].update(file="../outside/target.onnx"))
@@ -151,6 +161,7 @@ ATTACKS = {
     graph_reads_a_weight_file_past_its_end: "outside its data",
     graph_reads_a_safetensors_header: "outside its data",
     constant_node_reads_a_file_outside: "outside the main graph's initializers",
+    graph_places_the_row_kernel_on_a_file_outside: "use the domain v4engine.cpu, which only the runtime places",
     graph_file_climbs_out: "not a normal path inside the engine folder",
     graph_is_a_symlink_out: "leads outside the engine folder",
     manifest_is_a_symlink_out: "leads outside the engine folder",

@@ -22,7 +22,7 @@ from v4engine.contract.engine import EngineManifest
 from v4engine.contract.engine_folder import EngineFormatError
 from v4engine.contract.errors import V4EngineError
 from v4engine.contract.layout import STAGE_INPUT, CacheLayout
-from v4engine.runtime.cache import CachePool
+from v4engine.runtime.cache import CachePool, SequenceCache
 from v4engine.runtime.drafters import MtpDrafter
 from v4engine.runtime.generator import Generator
 from v4engine.runtime.pool_arrays import DeviceArrays, HostArrays
@@ -144,8 +144,10 @@ def test_the_stages_compute_what_the_one_graph_computes(engines):
     rng = np.random.default_rng(0)
     for array in pool.arrays.values():
         array[...] = rng.standard_normal(array.shape, np.float32)
-    # two sequences of 37 and 5 committed positions: their slots and blocks
-    feeds = pool.feeds([SimpleNamespace(slot=0, blocks=[0, 1, 2]), SimpleNamespace(slot=1, blocks=[3])])
+    # two sequences of 37 and 5 committed positions: their slots (0, 1) and blocks
+    first, second = SequenceCache(pool), SequenceCache(pool)
+    first.blocks, second.blocks = [0, 1, 2], [3]
+    feeds = pool.feeds([first, second])
     lengths = np.array([37, 5])
     feeds["positions"] = lengths[:, None] + np.arange(4)
     feeds["input_ids"] = rng.integers(0, manifest.model.vocab_size, (2, 4))

@@ -151,9 +151,9 @@ def rewrite(model: ModelProto, files: Mapping[str, np.ndarray] | None = None, ex
         table = _stored_table(node, initializers, readers, outputs, opened or {}, smallest) \
             if node.input and node.input[0] not in inputs else None
         if table is not None:
-            rows, cast = table
+            rows, replaced = table
             added[id(node)] = rows
-            gone.update(id(n) for n in cast)
+            gone.update(id(n) for n in replaced)
             tables.add(node.input[0])
             done.projections["StoredRows"] = done.projections.get("StoredRows", 0) + 1
             continue

@@ -145,6 +145,7 @@ class SequenceCache:
         the context)."""
         if self._array is None:
             self._array = np.array(self._blocks, np.int64)
+            self._array.setflags(write=False)
         return self._array
 
     @property

@@ -378,10 +378,14 @@ def test_the_embeddings_rows_are_read_from_its_file_as_gather_reads_them(kernels
     done = stored_weights.rewrite(model, smallest=0, opened=opened_as_checked(tmp_path / "table.bin"))
     assert done.projections == {"StoredRows": 1}
     assert [n.op_type for n in model.graph.node] == ["StoredRows"] and not model.graph.initializer
-    got = rows_session(model, kernels).run(None, {"ids": ids})[0]
+    session = rows_session(model, kernels)
+    got = session.run(None, {"ids": ids})[0]
     assert got.dtype == np.float32 and np.array_equal(got, want) and np.array_equal(got, values[ids])
     with pytest.raises(Exception, match="StoredRows: an index is out of the table"):
-        rows_session(model, kernels).run(None, {"ids": np.array([[0, 1, 50], [0, 0, 0]], np.int64)})
+        session.run(None, {"ids": np.array([[0, 1, 50], [0, 0, 0]], np.int64)})
+    model.graph.input[0].type.tensor_type.elem_type = TensorProto.INT32        # Gather's other index type
+    got = rows_session(model, kernels).run(None, {"ids": ids.astype(np.int32)})[0]
+    assert np.array_equal(got, want)
 
 
 def test_a_tables_file_that_is_no_longer_the_checked_one_is_not_read(kernels, tmp_path):
@@ -396,10 +400,24 @@ def test_a_tables_file_that_is_no_longer_the_checked_one_is_not_read(kernels, tm
         rows_session(model, kernels)
 
 
-def test_only_a_table_that_nothing_but_gathers_reads_moves(tmp_path):
-    """A table some other node reads too (a tied head, say) stays in the graph, mapped, as it is."""
-    model, _, _ = table_model(tmp_path, TensorProto.FLOAT, 50, 40, np.random.default_rng(0))
+def also_read_by_a_transpose(model: ModelProto) -> None:        # a tied head, say
     model.graph.node.append(helper.make_node("Transpose", ["table"], ["tied"]))
+
+
+def also_a_graph_output(model: ModelProto) -> None:
+    model.graph.output.append(helper.make_tensor_value_info("table", TensorProto.FLOAT, None))
+
+
+def with_a_length_other_than_its_dims(model: ModelProto) -> None:     # ONNX Runtime refuses it where it stays
+    [length] = [e for e in model.graph.initializer[0].external_data if e.key == "length"]
+    length.value = "16"
+
+
+@pytest.mark.parametrize("change", [also_read_by_a_transpose, also_a_graph_output, with_a_length_other_than_its_dims])
+def test_only_a_table_that_nothing_but_gathers_reads_moves(tmp_path, change):
+    """A table something else reads too, or whose bytes are not its dims', stays in the graph as it is."""
+    model, _, _ = table_model(tmp_path, TensorProto.FLOAT, 50, 40, np.random.default_rng(0))
+    change(model)
     assert stored_weights.rewrite(model, smallest=0, opened=opened_as_checked(tmp_path / "table.bin")
                                   ).projections == {}
 

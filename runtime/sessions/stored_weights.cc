@@ -642,13 +642,13 @@ struct SinkhornOp : Ort::CustomOpBase<SinkhornOp, SinkhornKernel> {
 
 SinkhornOp sinkhorn_op;
 
-// v4engine.cpu::StoredRows(ids int64 [...]) -> [..., columns] float: rows of a table (the embedding, float32 or bf16)
-// that lies in a weight file at `offset`, read from the file with pread instead of through its memory map. A token
-// touches one row of the table, but a page fault on a mapped file maps the pages around it too (the kernel's fault-
-// around, 64 KiB), so after a few hundred distinct tokens most of the table is resident (26 of the slice's 32 MiB
-// after four 200-token prompts); read here, a row costs a copy from the page cache and the table never enters the
-// process. The file is opened once, and must be the very file the runtime's checks opened and mapped (`device`,
-// `inode` and `file_bytes` as fstat gave them there: contract/engine_folder.py).
+// v4engine.cpu::StoredRows(ids int64 or int32 [...]) -> [..., columns] float: rows of a table (the embedding,
+// float32 or bf16) that lies in a weight file at `offset`, read from the file with pread instead of through its
+// memory map. A token touches one row of the table, but a page fault on a mapped file maps the pages around it too
+// (the kernel's fault-around, 64 KiB), so after a few hundred distinct tokens most of the table is resident (26 of
+// the slice's 32 MiB after four 200-token prompts); read here, a row costs a copy from the page cache and the table
+// never enters the process. The file is opened once, and must be the very file the runtime's checks opened and
+// mapped (`device`, `inode` and `file_bytes` as fstat gave them there: contract/engine_folder.py).
 struct RowsKernel {
   int fd = -1;
   int64_t offset, rows, columns, type, row_bytes;
@@ -690,14 +690,18 @@ struct RowsKernel {
   void Compute(OrtKernelContext* raw) {
     Ort::KernelContext context(raw);
     Ort::ConstValue ids = context.GetInput(0);
-    std::vector<int64_t> shape = ids.GetTensorTypeAndShapeInfo().GetShape();
-    size_t count = ids.GetTensorTypeAndShapeInfo().GetElementCount();
-    const int64_t* id = ids.GetTensorData<int64_t>();
+    Ort::TensorTypeAndShapeInfo info = ids.GetTensorTypeAndShapeInfo();
+    std::vector<int64_t> shape = info.GetShape();
+    size_t count = info.GetElementCount();
+    bool wide = info.GetElementType() == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+    if (!wide && info.GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32)
+      ORT_CXX_API_THROW("StoredRows: ids must be int64 or int32, as Gather's", ORT_INVALID_ARGUMENT);
     shape.push_back(columns);
     float* y = context.GetOutput(0, shape).GetTensorMutableData<float>();
     std::vector<uint16_t> halves(type == ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16 ? columns : 0);
     for (size_t i = 0; i < count; ++i) {
-      int64_t row = id[i] < 0 ? id[i] + rows : id[i];          // Gather's negative indices count from the end
+      int64_t id = wide ? ids.GetTensorData<int64_t>()[i] : ids.GetTensorData<int32_t>()[i];
+      int64_t row = id < 0 ? id + rows : id;                    // Gather's negative indices count from the end
       if (row < 0 || row >= rows) ORT_CXX_API_THROW("StoredRows: an index is out of the table", ORT_INVALID_ARGUMENT);
       float* out = y + i * columns;
       if (halves.empty()) {
@@ -715,7 +719,9 @@ struct RowsOp : Ort::CustomOpBase<RowsOp, RowsKernel> {
   const char* GetName() const { return "StoredRows"; }
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
   size_t GetInputTypeCount() const { return 1; }
-  ONNXTensorElementDataType GetInputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64; }
+  ONNXTensorElementDataType GetInputType(size_t) const {
+    return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;              // int64 or int32, as Gather's (Compute checks)
+  }
   size_t GetOutputTypeCount() const { return 1; }
   ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
 };

@@ -247,22 +247,26 @@ def _stored_table(node: NodeProto, initializers: dict[str, TensorProto], readers
                   outputs: set[str], opened: Mapping[str, OpenedFile], smallest: int
                   ) -> tuple[NodeProto, list[NodeProto]] | None:
     """The `StoredRows` node reading this Gather's rows from the weight file its table lies in, in the Gather's
-    place, and the nodes it also replaces (the Cast to float after a bf16 one), or None. Only for a 2-D float32 or bf16 table of
-    a file in `opened`, of at least `smallest` values, that nothing but Gathers on axis 0 reads."""
+    place, and the nodes it also replaces (the Cast to float after a bf16 one), or None. Only for a 2-D float32 or
+    bf16 table of a file in `opened` (its length its dims', not a graph output), of at least `smallest` values, that
+    nothing but Gathers on axis 0 reads."""
     if (node.domain, node.op_type) not in (("", "Gather"), ("ai.onnx", "Gather")) or len(node.input) != 2 \
             or (_attribute(node, "axis") or 0) != 0:
         return None
     table = initializers.get(node.input[0])
-    if table is None or table.data_location != TensorProto.EXTERNAL or len(table.dims) != 2 \
-            or table.data_type not in (TensorProto.FLOAT, TensorProto.BFLOAT16) or math.prod(table.dims) < smallest:
+    if table is None or table.name in outputs or table.data_location != TensorProto.EXTERNAL \
+            or len(table.dims) != 2 or table.data_type not in (TensorProto.FLOAT, TensorProto.BFLOAT16) \
+            or math.prod(table.dims) < smallest:
         return None
     if any(r.op_type != "Gather" or r.input[0] != table.name or r.input[1] == table.name
            or (_attribute(r, "axis") or 0) != 0 for r in readers[table.name]):
         return None
     entry = {e.key: e.value for e in table.external_data}
     where = opened.get(entry["location"])
-    if where is None or max(where.device, where.inode) >= 1 << 63:
-        return None
+    width = 4 if table.data_type == TensorProto.FLOAT else 2
+    if where is None or max(where.device, where.inode) >= 1 << 63 \
+            or int(entry.get("length", -1)) != math.prod(table.dims) * width:
+        return None             # (a length other than the dims': ONNX Runtime refuses that table, as it stays)
     replaced, output = [], node.output[0]
     if table.data_type == TensorProto.BFLOAT16:
         cast = _only_reader(output, readers, outputs)

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 from onnx import ModelProto, NodeProto, TensorProto, helper, numpy_helper
+from onnx.external_data_helper import ExternalDataInfo
 
 from v4engine.contract.engine_folder import OpenedFile
 
@@ -261,11 +262,10 @@ def _stored_table(node: NodeProto, initializers: dict[str, TensorProto], readers
     if any(r.op_type != "Gather" or r.input[0] != table.name or r.input[1] == table.name
            or (_attribute(r, "axis") or 0) != 0 for r in readers[table.name]):
         return None
-    entry = {e.key: e.value for e in table.external_data}
-    where = opened.get(entry["location"])
+    entry = ExternalDataInfo(table)          # (read_graph checked where it points: contract/engine_folder.py)
+    where = opened.get(entry.location)
     width = 4 if table.data_type == TensorProto.FLOAT else 2
-    if where is None or max(where.device, where.inode) >= 1 << 63 \
-            or int(entry.get("length", -1)) != math.prod(table.dims) * width:
+    if where is None or max(where.device, where.inode) >= 1 << 63 or entry.length != math.prod(table.dims) * width:
         return None             # (a length other than the dims': ONNX Runtime refuses that table, as it stays)
     replaced, output = [], node.output[0]
     if table.data_type == TensorProto.BFLOAT16:
@@ -275,7 +275,7 @@ def _stored_table(node: NodeProto, initializers: dict[str, TensorProto], readers
         replaced, output = [cast], cast.output[0]
     rows = helper.make_node("StoredRows", [node.input[1]], [output], name=f"{output}.rows", domain=DOMAIN,
                             path=str(where.path), device=where.device, inode=where.inode, file_bytes=where.bytes,
-                            offset=int(entry.get("offset", 0)), rows=table.dims[0], columns=table.dims[1],
+                            offset=entry.offset or 0, rows=table.dims[0], columns=table.dims[1],
                             type=table.data_type)
     return rows, replaced
 
@@ -362,9 +362,9 @@ def _bytes(tensor: TensorProto, files: Mapping[str, np.ndarray]) -> np.ndarray:
     """An initializer's stored bytes, in place."""
     if tensor.data_location != TensorProto.EXTERNAL:
         return np.ascontiguousarray(numpy_helper.to_array(tensor)).reshape(-1).view(np.uint8)
-    entry = {e.key: e.value for e in tensor.external_data}
-    start = int(entry.get("offset", 0))
-    return files[entry["location"]][start:start + int(entry["length"])]
+    entry = ExternalDataInfo(tensor)
+    start = entry.offset or 0
+    return files[entry.location][start:start + entry.length]
 
 
 def _projection(widened: str, dims: list[int], readers: dict[str, list[NodeProto]], outputs: set[str],

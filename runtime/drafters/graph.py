@@ -38,7 +38,6 @@ from .base import Drafter, Proposal
 class GraphDraftState:
     cache: SequenceCache | None             # the graph's rings (None: the request does not draft)
     pending: list[np.ndarray] = field(default_factory=list)   # source rows of positions [cache.length, target length)
-    pending_rows: int = 0                   # how many: counted as they arrive, not summed at each (one a row a step)
     tail: np.ndarray | None = None          # source rows of the last snapshot_rows prefill positions
 
 
@@ -107,16 +106,15 @@ class GraphDrafter(Drafter):
         recompute = len(snapshot) if snapshot is not None else 0
         cache = SequenceCache(self.pools[self.spec.graph], length=length - recompute) \
             if request.num_draft_tokens else None
-        pending = [snapshot] if snapshot is not None and cache is not None else []
-        request.draft_state = GraphDraftState(cache, pending, sum(len(p) for p in pending), snapshot)
+        request.draft_state = GraphDraftState(cache, [snapshot] if snapshot is not None and cache is not None else [],
+                                              snapshot)
 
     def observe(self, request: Any, rows: dict[str, Any], n: int, prefill: bool) -> None:
         state: GraphDraftState = request.draft_state
         new = rows[self.source][:n]
         if state.cache is not None:                 # the graph reads these rows
             state.pending.append(new)
-            state.pending_rows += len(new)
-            if self.rows_read is not None and state.pending_rows > 2 * self.rows_read:
+            if self.rows_read is not None and sum(len(p) for p in state.pending) > 2 * self.rows_read:
                 self._drop_unread(state)                # amortized: one copy per R + 1 rows
         if prefill and self.snapshots:
             keep = self.snapshot_rows
@@ -140,7 +138,7 @@ class GraphDrafter(Drafter):
         engine = sum(self._cycle([requests[i] for i in group], [rows[i] for i in group])
                      for group in apart_by_length([len(x) for x in rows], self.graph_k + 1))
         for r in requests:
-            r.draft_state.pending, r.draft_state.pending_rows = [], 0
+            r.draft_state.pending = []
         return engine
 
     def _cycle(self, requests: list[Any], rows: list[np.ndarray]) -> float:
@@ -173,10 +171,10 @@ class GraphDrafter(Drafter):
         MiB on tiny-v4, 21 ms to join at its first draft cycle)."""
         rows = np.concatenate(state.pending)
         if self.rows_read is None or len(rows) <= self.rows_read:
-            state.pending, state.pending_rows = [rows], len(rows)
+            state.pending = [rows]
             return
         state.cache.length += len(rows) - self.rows_read
-        state.pending, state.pending_rows = [rows[-self.rows_read:].copy()], self.rows_read
+        state.pending = [rows[-self.rows_read:].copy()]
 
     def _call(self, requests: list[Any], parts: list[np.ndarray], drafting: list[bool]
               ) -> tuple[dict[str, np.ndarray], float]:

@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from v4engine.chat.encoding import ENCODER_FILE, profile_of_encoder
 from v4engine.contract.backend_options import BackendOptions
-from v4engine.contract.backends import BACKENDS, INT8_CODES, STORED_BYTES
+from v4engine.contract.backends import BACKENDS, INT8_CODES, PREPACKED, STORED_BYTES, Backend
 from v4engine.contract.config import V4Config
 from v4engine.contract.drafting import DRAFT_SPECS, DraftSpec
 from v4engine.contract.engine import (ACTIVATION_DTYPES, BUILT_LIMIT_DEFAULTS, FORMAT, MANIFEST, MAX_MTP, VALUE_BYTES,
@@ -38,14 +38,14 @@ from v4engine.contract.untrusted import read_json
 from v4engine.plugins import DOMAIN, OPSET, onnx_functions
 from v4engine.plugins.sinkhorn import NAME as SINKHORN
 
-from .backends import QUANTIZED_IN_PLACE, compile_engine, preflight, prepare_graph
+from .backends import compile_engine, preflight, prepare_graph
 from .backends.migraphx import all_nodes
 from .checkpoint import checkpoint_file
 from .export import export_draft, export_target, split_sequences
 from .export_cache import cached_export
 from .load import open_checkpoint
 from .stages import StageError, model_bytes, plan_stages
-from .weights import WeightGroup, WeightWriter, attach_weights, expert_form, serialize_without_data
+from .weights import WeightGroup, WeightWriter, attach_weights, expert_form, group_bytes, serialize_without_data
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MAX_ENCODER_BYTES = 1 << 20       # a checkpoint's encoding_dsv4.py is about 29 KB
@@ -77,7 +77,7 @@ class BuildOptions:
     output: Path
     mtp: int | None = 1                        # draft tokens per step; None: the checkpoint's drafter's default
     backend: str = "onnxruntime"
-    dtype: str = "fp32"
+    dtype: str | None = None                   # None: the backend's for its device (BackendOptions.default_dtype)
     max_batch: int = BUILT_LIMIT_DEFAULTS["max_batch"]
     max_seq_len: int = BUILT_LIMIT_DEFAULTS["max_seq_len"]
     max_prefill_chunk: int = BUILT_LIMIT_DEFAULTS["max_prefill_chunk"]
@@ -127,6 +127,8 @@ def _check_output(options: BuildOptions) -> BackendOptions:
         raise BuildError(f"--backend must be one of {', '.join(BACKENDS)} (got {options.backend!r})")
     if not isinstance(options.pipeline_stages, int) or options.pipeline_stages < 1:
         raise BuildError(f"--pipeline-stages must be 1 or more (got {options.pipeline_stages})")
+    if options.dtype is not None and options.dtype not in DTYPES:
+        raise BuildError(f"--dtype must be one of {', '.join(DTYPES)} (got {options.dtype!r})")
     return BACKENDS[options.backend].build_options.read(options.backend_options, options.backend, BuildError)
 
 
@@ -153,18 +155,19 @@ class StageClock:
         self._last = now
 
 
-def _write_graph(tmp: Path, name: str, options: BuildOptions, static: bool, cfg, ckpt, writer: WeightWriter,
-                 clock: StageClock, stage: Stage | None, draft: DraftSpec | None
+def _write_graph(tmp: Path, name: str, options: BuildOptions, backend: BackendOptions, cfg, ckpt,
+                 writer: WeightWriter, clock: StageClock, stage: Stage | None, draft: DraftSpec | None
                  ) -> tuple[dict[str, int], dict[str, WeightGroup], Any]:
-    """Export, attach weights, prepare for the backend, check and save one graph (the draft, or a stage of the
-    target; `static`: without control flow, for CUDA graphs): (weight counts, bytes by weight group, what the
-    backend's preparation recorded)."""
+    """Export, attach weights, prepare for the backend (`backend`: its build options), check and save one graph
+    (the draft, or a stage of the target): (weight counts, bytes by weight group, what the backend's preparation
+    recorded)."""
+    static = backend.cuda_graph_ready           # without control flow, for CUDA graphs
     proto = exported_graph(cfg, stage, options, draft, static)
     clock.lap("export")
-    counts, groups = attach_weights(proto, ckpt, cfg, writer, BACKENDS[options.backend])
+    counts, groups = attach_weights(proto, ckpt, cfg, writer, BACKENDS[options.backend].on(backend.device))
     add_functions(proto, cfg.hc_sinkhorn_iters - 1 if static else None)
     clock.lap("weights")
-    proto, prepared = prepare_graph(options.backend, proto, name)
+    proto, prepared = prepare_graph(options.backend, proto, name, backend)
     if static and (found := control_flow(proto)):
         raise BuildError(f"--cuda-graphs: graph '{name}' still has {', '.join(sorted(found))} nodes, which a CUDA "
                          "graph cannot hold")
@@ -247,30 +250,35 @@ def check_graph(proto: onnx.ModelProto, weight_files: dict[str, int]) -> None:
     onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True, data_prop=True)
 
 
-def _experts(expert_dtype: str | None, backend: str) -> str:
-    """What engine.json says of the routed experts' weights."""
+def _experts(expert_dtype: str | None, backend: Backend) -> str:
+    """What engine.json says of the routed experts' weights (`backend`: the record for the engine's device)."""
     fmt = {"fp4": "mxfp4", "mxfp4": "mxfp4", "fp8": "fp8_block"}.get(expert_dtype or "")
+    if backend.expert_weights == PREPACKED:
+        return ("routed experts prepacked at build into weights/converted.bin, stacked per layer in the layout ONNX "
+                "Runtime's CUDA MoE takes (MXFP4: QMoE's fp4 form; FP8: their bytes, widened on the device per call; "
+                "float: the activation dtype)")
     if fmt is None:
         return "as stored, in place"
     name = "MXFP4" if fmt == "mxfp4" else "FP8"
-    form = expert_form(BACKENDS[backend], fmt)
+    form = expert_form(backend, fmt)
     if form == INT8_CODES:
         return ("MXFP4 routed experts kept in place; the graph widens them at load to the exact int8 codes (128 + 2c) "
                 "and 2^(e-128) scales of ONNX Runtime's QMoE")
     if form == STORED_BYTES:
         return (f"{name} routed experts kept in place as their bytes with float32 scales; the MoE dequantizes only "
                 "the chosen experts")
-    if fmt in QUANTIZED_IN_PLACE[backend]:
+    if fmt in backend.quantized_in_place:
         return f"{name} routed experts kept {name} in place: blocked DequantizeLinear, scales in place or as float rows"
     return f"{name} routed experts dequantized to the activation dtype into weights/converted.bin"
 
 
-def _stages(options: BuildOptions, cfg: V4Config, ckpt) -> list[Stage]:
-    """The target's pipeline stages: one, or --pipeline-stages of about equal resident bytes (builder/stages.py)."""
+def _stages(options: BuildOptions, backend: Backend, cfg: V4Config, ckpt) -> list[Stage]:
+    """The target's pipeline stages: one, or --pipeline-stages of about equal resident bytes (builder/stages.py;
+    `backend`: the record for the engine's device)."""
     if options.pipeline_stages == 1:
         return single_stage(cfg.num_hidden_layers)
     try:
-        sizes = model_bytes(cfg, ckpt, BACKENDS[options.backend], DTYPES[options.dtype], options.mtp > 0)
+        sizes = model_bytes(cfg, ckpt, backend, DTYPES[options.dtype], options.mtp > 0)
         return plan_stages(sizes, options.pipeline_stages, options.mtp > 0)
     except StageError as e:
         raise BuildError(str(e)) from None
@@ -281,6 +289,7 @@ def build(options: BuildOptions) -> EngineManifest:
     started = time.perf_counter()
     clock = StageClock()
     backend = _check_output(options)
+    options = dataclasses.replace(options, dtype=options.dtype or backend.default_dtype)
     preflight(options.backend, backend)
     cfg, ckpt = open_checkpoint(options.checkpoint, mtp=options.mtp != 0)
     draft = DRAFT_SPECS[ckpt.draft_module] if options.mtp != 0 else None        # whatever drafter it ships
@@ -289,7 +298,8 @@ def build(options: BuildOptions) -> EngineManifest:
     if options.mtp > MAX_MTP:
         raise BuildError(f"--mtp must be from 0 to {MAX_MTP} (the {draft.method} drafter's default is {options.mtp})")
     check_limits(dataclasses.asdict(options), cfg, "v4build", BuildError)
-    stages = _stages(options, cfg, ckpt)
+    record = BACKENDS[options.backend].on(backend.device)
+    stages = _stages(options, record, cfg, ckpt)
     clock.lap("checkpoint")
     with staged_folder(options.output, "building", options.force, ENGINE_FOLDER) as tmp:
         writer = WeightWriter(tmp)
@@ -300,8 +310,8 @@ def build(options: BuildOptions) -> EngineManifest:
             weight_groups: dict[str, dict[str, Any]] = {}
             resident: dict[str, int] = {}           # bytes of each graph's weights, as its backend holds them
             for name, stage in tqdm(parts.items(), desc="export", unit="graph", disable=not options.progress):
-                counts, groups, prepared[name] = _write_graph(tmp, name, options, backend.cuda_graph_ready, cfg,
-                                                              ckpt, writer, clock, stage, draft)
+                counts, groups, prepared[name] = _write_graph(tmp, name, options, backend, cfg, ckpt, writer, clock,
+                                                              stage, draft)
                 weight_groups[name] = {group: dataclasses.asdict(g) for group, g in sorted(groups.items())}
                 resident[name] = sum(sum(g.resident.values()) for g in groups.values())
                 for k, v in counts.items():
@@ -320,13 +330,14 @@ def build(options: BuildOptions) -> EngineManifest:
             caches = cache_layouts(cfg, VALUE_BYTES[options.dtype], draft)
             pipeline = [StageEntry(s, resident[s.graph] + (resident[draft.graph] if draft and s.last else 0))
                         for s in stages]
-            experts = _experts(cfg.expert_dtype, options.backend)
+            experts = _experts(cfg.expert_dtype, record)
             manifest = EngineManifest(
                 model=cfg, backend=options.backend, mtp=options.mtp, drafter=draft.method if draft else None,
                 dtype=options.dtype, graphs=graphs,
                 caches=caches, weights=weights, experts=experts, stages=pipeline, tokenizer=tokenizer,
                 chat_profile=chat_profile,
                 checkpoint={"path": str(options.checkpoint.resolve()), "fingerprint": ckpt.fingerprint(),
+                            "bytes": sum(group_bytes(ckpt.info(name)) for name in ckpt.names()),
                             "tensors": len(ckpt.names()), "scheme": ckpt.scheme},
                 tools=_versions(),
                 build={"max_batch": options.max_batch, "max_seq_len": options.max_seq_len,

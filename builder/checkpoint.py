@@ -277,6 +277,13 @@ class Checkpoint:
             raise CheckpointError(f"{info.file}: tensor '{name}' is not quantized and has no scale")
         return _decode(self._raw(info.scale), info.scale.dtype).float()
 
+    def raw_scale(self, name: str) -> np.ndarray:
+        """A quantized weight's stored scale bytes, as raw() gives them (E8M0 as uint8)."""
+        info = self.info(name)
+        if info.scale is None:
+            raise CheckpointError(f"{info.file}: tensor '{name}' is not quantized and has no scale")
+        return self._raw(info.scale)
+
     def _raw(self, info: TensorInfo) -> np.ndarray:
         mm = self._maps.get(info.file)
         if mm is None:

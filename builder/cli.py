@@ -1,9 +1,10 @@
 """The `v4build` command line.
 
-    v4build --checkpoint DIR --output OUT [--mtp K] [--backend onnxruntime] [--dtype fp32] [--pipeline-stages N] ...
+    v4build --checkpoint DIR --output OUT [--mtp K] [--backend onnxruntime] [--device cpu|cuda] [--dtype D] ...
     v4build make-tiny OUT [--config NAME] [--quantize fp8|mxfp4] [--names official|hf] ...
     v4build make-release OUT [--release v4-flash|v4-pro] [--shards N]
     v4build check --checkpoint DIR [--mtp K]
+    v4build memory ENGINE_DIR [--json]
     v4build triton-repo ENGINE_DIR OUT [--gpu | --gpus 0,1] [--max-batch N] [--max-queue-size N] [--instance-count N]
                         [--drafter NAME] [--mtp K] [--force]
 
@@ -16,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-from v4engine.contract.backend_options import TENSORRT_OPTIMIZATION_LEVEL
+from v4engine.contract.backend_options import ORT_DEVICES, TENSORRT_OPTIMIZATION_LEVEL
 from v4engine.contract.backends import BACKENDS
 from v4engine.contract.engine import BUILT_LIMIT_DEFAULTS
 from v4engine.contract.errors import V4EngineError
@@ -66,7 +67,7 @@ def _check(args: argparse.Namespace) -> None:
 def _build(args: argparse.Namespace) -> None:
     from .build import BuildOptions, build
 
-    given = {"cuda_graphs": args.cuda_graphs or None, "onnx_only": args.onnx_only or None,
+    given = {"device": args.device, "cuda_graphs": args.cuda_graphs or None, "onnx_only": args.onnx_only or None,
              "int8_moe_activations": args.int8_moe_activations or None,
              "builder_optimization_level": args.builder_optimization_level, "timing_cache": args.timing_cache}
     manifest = build(BuildOptions(checkpoint=args.checkpoint, output=args.output, mtp=args.mtp, backend=args.backend,
@@ -75,6 +76,13 @@ def _build(args: argparse.Namespace) -> None:
                                   pipeline_stages=args.pipeline_stages,   # the backend's own options: only those given
                                   backend_options={name: value for name, value in given.items() if value is not None}))
     print(summary(args.output, manifest))
+
+
+def _memory(args: argparse.Namespace) -> None:
+    from .memory import as_json, describe, memory_plan
+
+    manifest, plan = memory_plan(args.engine_dir)
+    print(as_json(plan) if args.json else describe(args.engine_dir, manifest, plan))
 
 
 def _triton_repo(args: argparse.Namespace) -> None:
@@ -126,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="v4build", description="Compile a DeepSeek-V4 checkpoint (with its mtp.0.* draft layer) into an engine "
         "directory: target and draft graphs, engine.json, tokenizer. Weights are referenced in place, never copied.",
         epilog="Other commands: 'v4build make-tiny --help' (a tiny random checkpoint), 'v4build make-release --help' "
-        "(a full-size checkpoint without data), "
+        "(a full-size checkpoint without data), 'v4build memory --help' (an engine's bytes per device), "
         "'v4build check --help' (check a checkpoint against its config.json), "
         "'v4build triton-repo --help' (a Triton Inference Server model repository serving an engine).")
     p.add_argument("--checkpoint", type=Path, required=True,
@@ -144,9 +152,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "tensorrt (NVIDIA GPUs: TensorRT 10.15+/11.x engines with the v4 plugins; needs TensorRT unless "
                    "--onnx-only) or migraphx (AMD GPUs under ROCm: a variant MIGraphX's parser reads, compiled where "
                    "the migraphx module imports, else with the compile_migraphx.sh written beside it)")
-    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
-                   help="activation dtype of the graphs: fp32 (default; what the CPU runs exactly), fp16, or bf16 "
-                   "(GPU: the CPU execution provider has no bf16 kernels); hc mixes, sinks and softmaxes stay fp32")
+    p.add_argument("--device", choices=list(ORT_DEVICES), default=None,
+                   help="onnxruntime: what the engine runs on: cpu (default), or cuda, the CUDA variant (onnxruntime-"
+                   "gpu): every node on ONNX Runtime's CUDA provider, FP8 and MXFP4 weights resident on the GPU as "
+                   "stored and widened there, verify and draft calls recorded as CUDA graphs; engine.json records it "
+                   "(build.compile.device). tensorrt engines run on NVIDIA GPUs, migraphx ones on AMD GPUs")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
+                   help="activation dtype of the graphs (hc mixes, sinks and softmaxes stay fp32). Default: fp32 for "
+                   "the CPU (exact; ONNX Runtime's CPU provider has no bf16 kernels), bf16 for NVIDIA GPUs "
+                   "(tensorrt, onnxruntime --device cuda), fp16 for migraphx (its Python bindings take no bf16 "
+                   "buffers)")
     limits = BUILT_LIMIT_DEFAULTS
     p.add_argument("--max-batch", type=int, default=limits["max_batch"],
                    help=f"largest batch the graphs accept (default {limits['max_batch']})")
@@ -242,6 +257,17 @@ def tools_parser() -> argparse.ArgumentParser:
                    "DSpark) is checked too (default 1)")
     c.set_defaults(run=_check)
 
+    mem = sub.add_parser("memory", help="what an engine will hold on each device: weights, caches, workspace",
+                         description="Read an engine folder (no GPU needed) and print, per device (pipeline stage, "
+                         "the draft beside the last), the bytes of its weights as the backend holds them once loaded, "
+                         "its caches at the engine's limits (max_batch sequences of max_seq_len tokens) and an "
+                         "estimate of the workspace of its largest call (a floor: builder/memory.py), and the weights "
+                         "against the checkpoint's bytes.")
+    mem.add_argument("engine_dir", type=Path, help="engine directory built by v4build (--onnx-only engines too)")
+    mem.add_argument("--json", action="store_true", help='print {"devices": [{"weights_bytes", "cache_bytes", '
+                     '"workspace_bytes", ...}, ...]}, one entry per device in stage order')
+    mem.set_defaults(run=_memory)
+
     r = sub.add_parser("triton-repo", help="render a Triton Inference Server model repository serving an engine",
                        description="Render a Triton model repository that serves ENGINE_DIR with streaming MTP "
                        "speculative decoding: preprocessing -> v4_generate -> postprocessing, wired by the model "
@@ -282,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     names the file, tensor or field), 130 Ctrl-C, 128+N for signal N (SIGTERM, SIGHUP). Nothing half-written is
     left behind in any case (contract/staging.py)."""
     argv = sys.argv[1:] if argv is None else argv
-    tools = bool(argv) and argv[0] in ("make-tiny", "make-release", "check", "triton-repo")
+    tools = bool(argv) and argv[0] in ("make-tiny", "make-release", "check", "memory", "triton-repo")
     args = (tools_parser() if tools else build_parser()).parse_args(argv)
     try:
         with signals_as_exceptions():

@@ -19,6 +19,12 @@ StackedExperts weight [E, out, in], which is the experts' own tensors as [1, out
   - STORED_BYTES (TensorRT, whose plugin dequantizes inside its kernel; MIGraphX): the bytes in place as int8,
     one Concat per layer (`…routed.w1.mxfp4` or `.fp8`), and fp32 scales beside them (`….mxfp4_scale`: 2^(e-127)
     from the E8M0 bytes in place; `….fp8_scale`: the rows of the 128x128 grid, converted);
+  - PREPACKED (ONNX Runtime's CUDA provider, whose MoE kernels read one [E, ...] tensor per projection): each
+    layer's experts written once, stacked, into the converted file in the layout its MoE takes, gate and up rows
+    interleaved into fc1 (`prepacked_experts`): MXFP4 as QMoE's fp4 form (the e2m1 codes transposed to
+    [E, in, out / 2], the E8M0 bytes [E, out, in / 32]), FP8 as their bytes [E, out, in] with float32 scale rows
+    (the graph widens them on the device, per call), float experts in the activation dtype. The bytes keep their
+    size: nothing is widened on the host, and the engine holds the experts once more on disk, not in memory;
   - STACKED: as any weight, then stacked [E, out, in] for the op's function.
   Each backend says which quantized formats it keeps (`quantized_in_place`); the others are dequantized into the
   converted file.
@@ -41,7 +47,7 @@ import onnx_ir as ir
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from v4engine.contract.backends import INT8_CODES, STORED_BYTES, Backend
+from v4engine.contract.backends import INT8_CODES, PREPACKED, STORED_BYTES, Backend
 from v4engine.contract.config import V4Config
 from v4engine.contract.engine import WeightFile
 from v4engine.plugins import DOMAIN
@@ -102,15 +108,19 @@ class WeightWriter:
             self.linked[source] = WeightFile(rel, source.stat().st_size, kind, str(source), header_sha256)
         return self.linked[source].file
 
-    def convert(self, array: np.ndarray) -> tuple[str, int, int]:
-        """Append one converted tensor; returns (location, offset, length)."""
-        pad = -self._offset % ALIGN
-        self._converted.write(b"\0" * pad)
-        self._offset += pad
-        data = np.ascontiguousarray(array).tobytes()
-        self._converted.write(data)
+    def convert(self, array: np.ndarray, align: bool = True) -> tuple[str, int, int]:
+        """Append one converted tensor (at a multiple of ALIGN bytes unless not `align`: the next part of a tensor
+        written in parts); returns (location, offset, length). An all-zero tensor becomes a hole in the file (a
+        release layout without data stays sparse on disk; zeros when read)."""
+        pad = -self._offset % ALIGN if align else 0
+        data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+        start = self._offset + pad
+        if data.any():
+            self._converted.seek(start)
+            self._converted.write(data.tobytes())
+        self._offset = start + len(data)
+        self._converted.truncate(self._offset)        # (a hole at the end still counts in the file's size)
         self._converted.flush()
-        start, self._offset = self._offset, self._offset + len(data)
         return CONVERTED, start, len(data)
 
     def files(self) -> list[WeightFile]:
@@ -153,7 +163,8 @@ def stacked_expert_names(name: str, experts: int) -> list[str] | None:
 _STACKED = re.compile(r"(?P<ffn>.+\.ffn)\.routed\.(?P<w>w[123])")
 TREATMENTS = ("in place", "in place + cast", "in place, gathered rows cast", "fp8 in place + dequantize",
               "fp4 in place + dequantize", "fp4 in place + int8 codes", "fp8 in place, bytes for the kernel",
-              "fp4 in place, bytes for the kernel", "converted", "inline")
+              "fp4 in place, bytes for the kernel", "fp4 prepacked", "fp8 prepacked", "prepacked", "converted",
+              "inline")
 STORED_FORMATS = {"fp8_block": "fp8", "mxfp4": "mxfp4"}       # checkpoint format -> the stored experts' value suffix
 
 
@@ -165,6 +176,26 @@ def int8_code_table() -> np.ndarray:
     nibble = np.array([128 + (-2 if n & 8 else 2) * E2M1_VALUES[n & 7] for n in range(16)], np.uint8)
     pairs = np.arange(65536)
     return np.stack([nibble[(pairs >> shift) & 15] for shift in (0, 4, 8, 12)], axis=1)
+
+
+def _interleaved(parts: list[np.ndarray]) -> np.ndarray:
+    """[rows, ...] arrays of one expert (gate and up, or one) with their rows interleaved: fc1's layout under
+    swiglu_fusion=1, gate first ([2 rows, ...]); one array as it is."""
+    if len(parts) == 1:
+        return parts[0]
+    return np.stack(parts, axis=1).reshape(-1, *parts[0].shape[1:])
+
+
+def _fp4_transposed(ckpt: Checkpoint, parts: list[TensorInfo]) -> np.ndarray:
+    """One expert's MXFP4 weight (gate and up rows interleaved, or one) as QMoE's CUDA fp4 kernels take it:
+    [rows, cols / 2] bytes packed along cols become [cols, rows / 2] packed along rows, low nibble first (the e2m1
+    codes moved, never decoded)."""
+    stored = _interleaved([ckpt.raw(info.name).view(np.uint8) for info in parts])     # [rows, cols / 2]
+    if not stored.any():                              # (a release layout without data: zeros stay zeros)
+        return np.zeros((stored.shape[1] * 2, stored.shape[0] // 2), np.uint8)
+    codes = np.stack([stored & 15, stored >> 4], axis=-1).reshape(stored.shape[0], -1)   # [rows, cols]
+    columns = np.ascontiguousarray(codes.T)                                              # [cols, rows]
+    return (columns[:, 0::2] | (columns[:, 1::2] << 4)).astype(np.uint8)
 
 
 @dataclass
@@ -192,6 +223,8 @@ _GROUPS = ((r"\.ffn\.experts\.", "routed experts"), (r"\.ffn\.shared_experts\.",
            (r"\.(e_proj|h_proj)\.", "MTP projections"))
 
 
+_ELEMENT_BYTES = {TensorProto.UINT8: 1, TensorProto.FLOAT8E4M3FN: 1, TensorProto.FLOAT8E8M0: 1, TensorProto.FLOAT: 4,
+                  TensorProto.FLOAT16: 2, TensorProto.BFLOAT16: 2}
 _LOADED_TYPES = {TensorProto.FLOAT: ("float32", 4), TensorProto.FLOAT16: ("float16", 2),
                  TensorProto.BFLOAT16: ("bfloat16", 2), TensorProto.INT64: ("int64", 8),
                  TensorProto.INT32: ("int32", 4)}     # what a weight is made into at load, and its width
@@ -218,7 +251,12 @@ def resident_form(treatment: str, backend: Backend, stored: int, elements: int, 
         return "as stored + float32 scales", elements // 2 + elements // MXFP4_BLOCK * 4
     if treatment == "fp8 in place, bytes for the kernel":
         return "as stored + float32 scales", elements + -(-elements // FP8_BLOCK) * 4
-    if treatment == "converted":
+    if treatment == "fp4 prepacked":
+        return "as stored, prepacked at build", stored
+    if treatment == "fp8 prepacked":
+        return "as stored, prepacked at build + float32 scales; widened on the device per call", \
+            elements + -(-elements // FP8_BLOCK) * 4
+    if treatment in ("converted", "prepacked"):
         return f"{dtype}, memory-mapped from converted.bin", width
     return f"{dtype}, made at load", width
 
@@ -236,7 +274,9 @@ def tensor_treatment(info: TensorInfo, backend: Backend, data_type: int, gathere
 
 
 def expert_treatment(form: str, fmt: str) -> str:
-    """The treatment of a layer's quantized routed experts kept in `form` (expert_form: INT8_CODES, STORED_BYTES)."""
+    """The treatment of a layer's routed experts kept in `form` (expert_form: INT8_CODES, STORED_BYTES, PREPACKED)."""
+    if form == PREPACKED:
+        return {"mxfp4": "fp4 prepacked", "fp8_block": "fp8 prepacked"}.get(fmt, "prepacked")
     if form == INT8_CODES:
         return "fp4 in place + int8 codes"
     return "fp4 in place, bytes for the kernel" if fmt == "mxfp4" else "fp8 in place, bytes for the kernel"
@@ -342,6 +382,46 @@ class _Attacher:
         self._account(expert_treatment(INT8_CODES, "mxfp4"), everything,
                       len(everything) * rows * cols // len(experts), TensorProto.UINT8)
 
+    def prepacked(self, out: str, experts: list[list[TensorInfo]], rows: int, cols: int, data_type: int) -> None:
+        """A layer's experts as one tensor per projection in the converted file, in the layout ONNX Runtime's CUDA
+        MoE takes (the module doc): `experts` one list of the E experts' tensors, or two (gate and up: fc1, their
+        rows interleaved, gate first). Each [rows, cols] expert (rows doubled for fc1) becomes, by format:
+        `out.fp4` uint8 [E, cols, rows / 2] (codes transposed, packed along rows, low nibble first) and `out.e8m0`
+        [E, rows, cols / 32]; `out.fp8` [E, rows, cols] with `out.fp8_scale` float32 [E, rows, ceil(cols / 128)];
+        else `out` itself in `data_type`. Written expert by expert: memory stays one expert's."""
+        fmt, count, total = experts[0][0].format, len(experts[0]), rows * len(experts)
+        if fmt == "mxfp4":
+            self._stacked_file(f"{out}.fp4", TensorProto.UINT8, (count, cols, total // 2),
+                               (_fp4_transposed(self.ckpt, [part[e] for part in experts]) for e in range(count)))
+            self._stacked_file(f"{out}.e8m0", TensorProto.FLOAT8E8M0, (count, total, cols // MXFP4_BLOCK),
+                                       (_interleaved([self.ckpt.raw_scale(part[e].name) for part in experts])
+                                        for e in range(count)))
+        elif fmt == "fp8_block":
+            self._stacked_file(f"{out}.fp8", TensorProto.FLOAT8E4M3FN, (count, total, cols),
+                                        (_interleaved([self.ckpt.raw(part[e].name) for part in experts])
+                                         for e in range(count)))
+            self._stacked_file(f"{out}.fp8_scale", TensorProto.FLOAT, (count, total, -(-cols // FP8_BLOCK)),
+                                       (_interleaved([fp8_scale_rows(self.ckpt, part[e]) for part in experts])
+                                        for e in range(count)))
+        else:
+            dtype = _TORCH_OF_ONNX[data_type]
+            self._stacked_file(out, data_type, (count, total, cols), (_interleaved(
+                [self.ckpt.load(part[e].name, dtype=dtype).view(_BITS[dtype.itemsize]).numpy() for part in experts])
+                for e in range(count)))
+        everything = [info for part in experts for info in part]
+        self._account(expert_treatment(PREPACKED, fmt), everything, count * total * cols, data_type)
+
+    def _stacked_file(self, name: str, data_type: int, shape: tuple[int, ...], parts) -> str:
+        """An initializer `name` of `shape`: the arrays `parts` yields, one per leading index, written one after
+        another into the converted file (all-zero ones as holes: a release layout without data stays sparse)."""
+        offset = None
+        for part in parts:
+            location, start, _ = self.writer.convert(part, align=offset is None)
+            offset = start if offset is None else offset
+        length = math.prod(shape) * _ELEMENT_BYTES[data_type]
+        self.initializers.append(_external(name, data_type, shape, CONVERTED, offset, length))
+        return name
+
     def _interleave(self, values: list[str], out: str, shape: tuple[int, int, int]) -> str:
         """The rows of `values` ([E, rows / n, width] each) interleaved into `out` [E, rows, width]; one value is
         itself."""
@@ -419,6 +499,18 @@ class _Attacher:
         return out
 
 
+def _prepacked_experts(attach: _Attacher, ckpt: Checkpoint, name: str, experts: list[str], shape: tuple[int, ...],
+                       data_type: int) -> None:
+    """A layer's experts for ONNX Runtime's CUDA MoE: `…routed.fc1` (gate and up, from the w1 initializer; w3's
+    adds nothing) and `…routed.w2` (builder/backends/onnxruntime_cuda.py reads them by these names)."""
+    layer, weight = name.rsplit(".", 1)
+    if weight == "w1":
+        gate_up = [[ckpt.info(e) for e in experts], [ckpt.info(e.replace(".w1.", ".w3.")) for e in experts]]
+        attach.prepacked(f"{layer}.fc1", gate_up, *shape[1:], data_type)
+    elif weight == "w2":
+        attach.prepacked(name, [[ckpt.info(e) for e in experts]], *shape[1:], data_type)
+
+
 def _int8_experts(attach: _Attacher, ckpt: Checkpoint, name: str, experts: list[str], shape: tuple[int, ...]
                   ) -> None:
     """A layer's MXFP4 experts for ONNX Runtime's QMoE: `…routed.fc1` (gate and up, from the w1 initializer; w3's
@@ -435,7 +527,10 @@ def _int8_experts(attach: _Attacher, ckpt: Checkpoint, name: str, experts: list[
 def expert_form(backend: Backend, fmt: str) -> str | None:
     """The form the backend's MoE reads experts of checkpoint format `fmt` in (expert_weights), or None: stacked.
     INT8_CODES holds MXFP4 only (an integer code cannot hold e4m3 exactly) and needs the format kept in place;
-    STORED_BYTES are plain int8 bytes, which any backend holds (MIGraphX, which reads no FP8 or FP4 type, too)."""
+    STORED_BYTES are plain int8 bytes, which any backend holds (MIGraphX, which reads no FP8 or FP4 type, too);
+    PREPACKED takes every format."""
+    if backend.expert_weights == PREPACKED:
+        return PREPACKED
     if backend.expert_weights == STORED_BYTES and fmt in STORED_FORMATS:
         return STORED_BYTES
     if backend.expert_weights == INT8_CODES and fmt == "mxfp4" and "mxfp4" in backend.quantized_in_place:
@@ -485,6 +580,8 @@ def attach_weights(proto: onnx.ModelProto, ckpt: Checkpoint, cfg: V4Config, writ
             attach.inline(numpy_helper.from_array(table.numpy(), tensor.name))
         elif experts is not None and (form := expert_form(backend, ckpt.info(experts[0]).format)) == INT8_CODES:
             _int8_experts(attach, ckpt, tensor.name, experts, shape)
+        elif experts is not None and form == PREPACKED:
+            _prepacked_experts(attach, ckpt, tensor.name, experts, shape, tensor.data_type)
         elif experts is not None and form == STORED_BYTES:
             attach.stored_bytes(tensor.name, [ckpt.info(e) for e in experts], shape)
         elif experts is not None:

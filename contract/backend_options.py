@@ -41,23 +41,37 @@ class BackendOptions:
         return cls(**values)
 
     kind: typing.ClassVar[str] = "build"
+    device: typing.ClassVar[str] = "cpu"     # what an engine is built to run on: cpu, cuda (NVIDIA) or rocm (AMD)
 
     @property
     def cuda_graph_ready(self) -> bool:
         """Whether the graphs are built for CUDA graphs (no control flow): the `cuda_graphs` build option, where
-        a backend takes it."""
-        return bool(getattr(self, "cuda_graphs", False))
+        a backend takes it, and every engine built for ONNX Runtime's CUDA provider."""
+        return bool(getattr(self, "cuda_graphs", False)) or self.device == "cuda"
+
+    @property
+    def default_dtype(self) -> str:
+        """The activation dtype a build takes when --dtype is not given: fp32 on the CPU, where it is exact and the
+        only dtype ONNX Runtime's CPU provider runs fast; bf16 on NVIDIA GPUs (fp32 runs at about 1/15 of an H100's
+        bf16 rate, and V4's weights are bf16 or narrower)."""
+        return "fp32" if self.device == "cpu" else "bf16"
 
 
 # ---------------------------------------------------------------------- build options (v4build)
+ORT_DEVICES = ("cpu", "cuda")     # what an ONNX Runtime engine is built for (`v4build --device`)
+
+
 @dataclass(frozen=True)
 class OnnxRuntimeBuild(BackendOptions):
     cuda_graphs: bool = False        # graphs without control flow; verify and draft cycles recorded on CUDA
     int8_moe_activations: bool = False  # lossy: QMoE quantizes the routed experts' inputs to int8 (engine.json)
+    device: str = "cpu"              # `--device`: cpu, or cuda (the CUDA variant: every node on the CUDA provider)
 
 
 @dataclass(frozen=True)
 class TensorRTBuild(BackendOptions):
+    device: typing.ClassVar[str] = "cuda"
+
     cuda_graphs: bool = False        # as ONNX Runtime's: the engines' enqueues recorded by torch.cuda.graph
     onnx_only: bool = False          # prepare and check the graphs, build no engines (no TensorRT needed)
     builder_optimization_level: int = TENSORRT_OPTIMIZATION_LEVEL
@@ -66,7 +80,10 @@ class TensorRTBuild(BackendOptions):
 
 @dataclass(frozen=True)
 class MIGraphXBuild(BackendOptions):
-    pass
+    device: typing.ClassVar[str] = "rocm"
+    # MIGraphX's Python bindings (up to ROCm 7.2.4) take no bf16 buffers, so its compiled programs cannot run a bf16
+    # engine (runtime/sessions/migraphx.py): fp16 is the GPU dtype they run
+    default_dtype: typing.ClassVar[str] = "fp16"
 
 
 # ---------------------------------------------------------------------- session options (Generator)

@@ -11,9 +11,12 @@ A `Backend` says what the builder and the runtime need to know of one backend:
   told so by session.disable_quant_qdq), so FP8 weights are resident in the activation dtype, not as FP8;
 - `expert_weights`: the form in which the graph hands quantized routed experts (of a format it keeps in place) to the
   MoE: `STACKED` (dequantized, stacked [E, out, in]: the op's ONNX function), `INT8_CODES` (MXFP4 experts widened
-  in the graph from the stored bytes to the codes and scales of an exact int8 MoE, ONNX Runtime's QMoE) or
+  in the graph from the stored bytes to the codes and scales of an exact int8 MoE, ONNX Runtime's QMoE),
   `STORED_BYTES` (the stored bytes stacked as int8, with fp32 scales, for a kernel that dequantizes inside: the
-  TensorRT plugin);
+  TensorRT plugin) or `PREPACKED` (every layer's experts stacked once at build, in the layout ONNX Runtime's CUDA
+  MoE kernels take: builder/weights.py);
+- `devices`: what its engines can be built for; a record per device other than the first (`variant`), since ONNX
+  Runtime's CUDA engines keep other formats and take their experts in another form than its CPU ones;
 - `compiled`: the typed record of what its compile step wrote in engine.json (`build.compile`);
 - `build_options`, `session_options`: the options it takes at build time and when an engine opens
   (contract/backend_options.py), each refusing in one line what it does not take;
@@ -37,7 +40,7 @@ from dataclasses import dataclass
 from importlib import import_module
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from .backend_options import (BackendOptions, MIGraphXBuild, MIGraphXSessionOptions, OnnxRuntimeBuild,
+from .backend_options import (ORT_DEVICES, BackendOptions, MIGraphXBuild, MIGraphXSessionOptions, OnnxRuntimeBuild,
                               OnnxRuntimeSessionOptions, TensorRTBuild, TensorRTSessionOptions)
 from .buckets import Bucket, graph_buckets
 from .calls import captured_calls
@@ -137,7 +140,10 @@ class OnnxRuntimeCompiled(CompileRecord):
     that loaded them, and, when none could, why (`not_loaded`: a bf16 engine with only the CPU provider here).
     An engine built for CUDA graphs (--cuda-graphs) also has its graphs' calls as profiles, and `cuda_graphs`
     names those whose calls the CUDA provider records (their buckets: contract/calls.py). `moe_activations`
-    says whether the routed experts run exactly (fp32) or, built --int8-moe-activations, on int8 inputs."""
+    says whether the routed experts run exactly (fp32) or, built --int8-moe-activations, on int8 inputs.
+    `device`: what the graphs were prepared for (v4build --device): the CPU, or the CUDA provider (the CUDA
+    variant, which the CPU provider cannot run: builder/backends/onnxruntime_cuda.py); absent in engines built
+    before it existed, which are CPU engines."""
 
     onnxruntime: str
     providers_checked: tuple[str, ...]
@@ -145,6 +151,7 @@ class OnnxRuntimeCompiled(CompileRecord):
     profiles: dict[str, tuple[Profile, ...]] | None = None
     cuda_graphs: tuple[str, ...] = ()
     moe_activations: str = "fp32"     # QMoE's inputs: fp32 (exact), or int8 (--int8-moe-activations: lossy)
+    device: str = "cpu"               # cpu, or cuda (v4build --device cuda)
 
     @classmethod
     def from_dict(cls, raw: Any, source: str, graphs: Mapping[str, GraphEntry]) -> OnnxRuntimeCompiled:
@@ -155,21 +162,27 @@ class OnnxRuntimeCompiled(CompileRecord):
             _check_buckets(record, profiles, graphs)
         return cls(record.get("onnxruntime", str), tuple(record.items("providers_checked", str)),
                    record.get("not_loaded", str, None), profiles, cuda_graphs,
-                   record.choice("moe_activations", MOE_ACTIVATIONS, "fp32"))
+                   record.choice("moe_activations", MOE_ACTIVATIONS, "fp32"),
+                   record.choice("device", ORT_DEVICES, "cpu"))
 
 
 # ---------------------------------------------------------------------- TensorRT
 @dataclass(frozen=True)
 class BuiltPlan:
-    """One graph's serialized TensorRT engine: its file in the engine folder, its size and its build seconds."""
+    """One graph's serialized TensorRT engine: its file in the engine folder, its size and its build seconds, and
+    whether it was built without its weights (`stripped`: TensorRT's STRIP_PLAN; the session refits it from the
+    graph's weights, the checkpoint's own files, when it loads it). Plans of engines built before stripping hold
+    their weights."""
 
     plan: str
     bytes: int
     seconds: float
+    stripped: bool = False
 
     @classmethod
     def read(cls, fields: JsonFields) -> BuiltPlan:
-        return cls(fields.get("plan", str), fields.integer("bytes", 0, MAX_COUNT), fields.number("seconds", 0))
+        return cls(fields.get("plan", str), fields.integer("bytes", 0, MAX_COUNT), fields.number("seconds", 0),
+                   fields.get("stripped", bool, False))
 
 
 @dataclass(frozen=True)
@@ -177,7 +190,9 @@ class TensorRTCompiled(CompileRecord):
     """Every graph's optimization profiles (in the engine's order), the builder optimization level, the v4 plugin
     nodes the preparation marked, and each graph's plan: `plans` None when the build stopped before TensorRT
     (--onnx-only). `tensorrt`: the version that built the plans, or why none was built; `timing_cache`: the cache
-    the build read and wrote."""
+    the build read and wrote. `plan_profiles`: the profiles the plans themselves hold, where they differ from
+    `profiles` (a stripped plan, refittable, holds one covering every call: `merged_profile`); the calls' own
+    profiles still give the CUDA graphs' buckets."""
 
     profiles: dict[str, tuple[Profile, ...]]
     optimization_level: int
@@ -186,6 +201,11 @@ class TensorRTCompiled(CompileRecord):
     tensorrt: str
     timing_cache: str | None = None
     cuda_graphs: tuple[str, ...] = ()      # the profiles whose calls run as CUDA graphs (contract/calls.py)
+    plan_profiles: dict[str, tuple[Profile, ...]] | None = None
+
+    def in_plan(self, graph: str) -> tuple[Profile, ...]:
+        """The optimization profiles `graph`'s plan holds, in its order."""
+        return (self.plan_profiles or self.profiles)[graph]
 
     @classmethod
     def from_dict(cls, raw: Any, source: str, graphs: Mapping[str, GraphEntry]) -> TensorRTCompiled:
@@ -195,11 +215,15 @@ class TensorRTCompiled(CompileRecord):
         cuda_graphs = _cuda_graphs(record, profiles)
         if cuda_graphs:
             _check_buckets(record, profiles, graphs)
+        in_plans = None
+        if record.get("plan_profiles", (dict, type(None)), None) is not None:
+            in_plans = _profiles(JsonFields({"profiles": record.raw["plan_profiles"]}, source, EngineFormatError,
+                                            "build.compile.plan_"), graphs)
         return cls(profiles, record.integer("optimization_level", 0, 5),
                    _per_graph(record, "plugin_nodes", graphs, lambda nodes, graph: nodes.integer(graph, 0, MAX_COUNT)),
                    None if plans is None else _per_graph(record, "plans", graphs,
                                                          lambda built, graph: BuiltPlan.read(built.nested(graph))),
-                   record.get("tensorrt", str), record.get("timing_cache", str, None), cuda_graphs)
+                   record.get("tensorrt", str), record.get("timing_cache", str, None), cuda_graphs, in_plans)
 
 
 # ---------------------------------------------------------------------- MIGraphX
@@ -271,7 +295,8 @@ class MIGraphXCompiled(CompileRecord):
 
 
 # ---------------------------------------------------------------------- the registry
-STACKED, INT8_CODES, STORED_BYTES = "stacked", "int8 codes", "stored bytes"      # Backend.expert_weights
+STACKED, INT8_CODES, STORED_BYTES, PREPACKED = "stacked", "int8 codes", "stored bytes", "prepacked"
+                                                                                    # Backend.expert_weights
 
 
 @dataclass(frozen=True)
@@ -288,6 +313,12 @@ class Backend:
     artifacts: frozenset[str] = frozenset()     # the files its compile step writes: names, or `*.suffix`
     dequantizes_at_load: bool = False
     expert_weights: str = STACKED
+    devices: tuple[str, ...] = ("cpu",)
+    variants: tuple[tuple[str, Backend], ...] = ()     # (device, its record) for each device but the first
+
+    def on(self, device: str) -> Backend:
+        """This backend's record for engines built for `device` (one of `devices`)."""
+        return dict(self.variants).get(device, self)
 
     def writes(self, name: str) -> bool:
         """Whether its compile step writes a file of this name into an engine folder."""
@@ -311,18 +342,26 @@ BACKENDS: dict[str, Backend] = {backend.name: backend for backend in (
     Backend("onnxruntime", "OnnxRuntimeSession", shape_specialized=False,
             quantized_in_place=frozenset({"fp8_block", "mxfp4"}), compiled=OnnxRuntimeCompiled,
             build_options=OnnxRuntimeBuild, session_options=OnnxRuntimeSessionOptions,
-            dequantizes_at_load=True, expert_weights=INT8_CODES),
+            dequantizes_at_load=True, expert_weights=INT8_CODES, devices=ORT_DEVICES,
+            # the CUDA variant: FP8 projections read as stored by the CUDA provider's block-scaled FP8 MatMul, the
+            # experts prepacked for its MoE (builder/backends/onnxruntime_cuda.py); nothing folded on the host
+            variants=(("cuda", Backend("onnxruntime", "OnnxRuntimeSession", shape_specialized=False,
+                                       quantized_in_place=frozenset({"fp8_block", "mxfp4"}),
+                                       compiled=OnnxRuntimeCompiled, build_options=OnnxRuntimeBuild,
+                                       session_options=OnnxRuntimeSessionOptions, expert_weights=PREPACKED,
+                                       devices=("cuda",))),)),
     Backend("tensorrt", "TensorRTSession", shape_specialized=True,
             quantized_in_place=frozenset({"fp8_block", "mxfp4"}), compiled=TensorRTCompiled,
             build_options=TensorRTBuild, session_options=TensorRTSessionOptions,
-            artifacts=frozenset({"*.plan", TIMING_CACHE}), expert_weights=STORED_BYTES),
+            artifacts=frozenset({"*.plan", TIMING_CACHE}), expert_weights=STORED_BYTES, devices=("cuda",)),
     # MIGraphX reads neither FLOAT8E4M3FN nor blocked DequantizeLinear at its opset 19; int8 bytes it reads
     Backend("migraphx", "MIGraphXSession", shape_specialized=True,
             quantized_in_place=frozenset(), compiled=MIGraphXCompiled,
             build_options=MIGraphXBuild, session_options=MIGraphXSessionOptions,
-            artifacts=frozenset({"*.mxr", MIGRAPHX_SCRIPT}), expert_weights=STORED_BYTES),
+            artifacts=frozenset({"*.mxr", MIGRAPHX_SCRIPT}), expert_weights=STORED_BYTES, devices=("rocm",)),
 )}
 
 __all__ = ["Backend", "BACKENDS", "MIGRAPHX_SCRIPT", "TIMING_CACHE", "STACKED", "INT8_CODES", "STORED_BYTES",
+           "PREPACKED",
            "CompileRecord", "OnnxRuntimeCompiled", "TensorRTCompiled", "BuiltPlan",
            "MIGraphXCompiled", "Variant", "Program"]

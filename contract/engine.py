@@ -230,8 +230,9 @@ class EngineManifest:
         """Every recorded profile within the engine's own limits: static buffers (CUDA graphs, MIGraphX's pools)
         are sized from them, so a hostile engine.json cannot size one beyond what its limits allow."""
         profiles = getattr(self.compiled, "profiles", None) or {}
+        in_plans = getattr(self.compiled, "plan_profiles", None) or {}
         bounds = self.dim_bounds()
-        for graph, graph_profiles in profiles.items():
+        for graph, graph_profiles in [*profiles.items(), *in_plans.items()]:
             for profile in graph_profiles:
                 for spec in self.graphs[graph].inputs:
                     if spec.name not in profile.shapes:

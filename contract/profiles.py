@@ -54,6 +54,19 @@ class Profile:
         return sum(math.prod(hi) for _, _, hi in self.shapes.values())
 
 
+def merged_profile(profiles: Sequence[Profile], name: str, opt_from: str | None = None) -> Profile:
+    """One profile covering all of `profiles` (every input's smallest min and largest max), its opt shapes those of
+    the profile named `opt_from` (default: the first): a refittable TensorRT engine takes a single profile."""
+    source = next((p for p in profiles if p.name == opt_from), profiles[0])
+    shapes = {}
+    for input_name in source.shapes:
+        ranges = [p.shapes[input_name] for p in profiles if input_name in p.shapes]
+        lo = tuple(min(r[0][i] for r in ranges) for i in range(len(ranges[0][0])))
+        hi = tuple(max(r[2][i] for r in ranges) for i in range(len(ranges[0][0])))
+        shapes[input_name] = (lo, source.shapes[input_name][1], hi)
+    return Profile(name, shapes)
+
+
 def choose_profile(profiles: Sequence[Profile], shapes: dict[str, Shape]) -> int:
     """Index of the tightest profile covering `shapes`; ProfileError naming the call when none does."""
     covering = [i for i, p in enumerate(profiles) if p.covers(shapes)]
@@ -70,4 +83,4 @@ def _is_range(value: Any) -> bool:
             and all(type(d) is int and 0 <= d <= MAX_DIM for shape in value for d in shape))
 
 
-__all__ = ["Profile", "ProfileError", "choose_profile"]
+__all__ = ["Profile", "ProfileError", "choose_profile", "merged_profile"]

@@ -185,7 +185,7 @@ class Generator:
         options = backend.session_options.read(backend_options, manifest.backend, RequestError)
         asked = limits or Limits()
         limits = asked.resolved(manifest, str(path))
-        preferred = backend.session_class().prefill_chunk(options, devices)
+        preferred = backend.session_class().prefill_chunk(options, devices, manifest)
         if asked.max_prefill_chunk is None and preferred:
             limits = replace(limits, max_prefill_chunk=min(preferred, limits.max_prefill_chunk))
         method, mtp = drafter_tokens(manifest, drafter, mtp, limits.max_prefill_chunk, str(path))

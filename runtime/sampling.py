@@ -255,7 +255,12 @@ def distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
 
 
 def draw(p: np.ndarray, rng: np.random.Generator) -> int:
-    return int(min(np.searchsorted(np.cumsum(p), rng.random() * p.sum(), side="right"), p.shape[-1] - 1))
+    return draw_with(p, rng.random())
+
+
+def draw_with(p: np.ndarray, uniform: float) -> int:
+    """The token of p [V] at `uniform` in [0, 1): the first whose cumulative mass exceeds uniform * total."""
+    return int(min(np.searchsorted(np.cumsum(p), uniform * p.sum(), side="right"), p.shape[-1] - 1))
 
 
 def accept_greedy(target_logits: np.ndarray, drafts: list[int]) -> tuple[int, int]:
@@ -267,11 +272,14 @@ def accept_greedy(target_logits: np.ndarray, drafts: list[int]) -> tuple[int, in
     return n, int(best[n])
 
 
-def accept_sampled(p: np.ndarray, q: np.ndarray, drafts: list[int], rng: np.random.Generator) -> tuple[int, int]:
-    """(accepted drafts, next token). p [k+1, V] target distributions, q [k, V] the draft's."""
+def accept_sampled(p: np.ndarray, q: np.ndarray, drafts: list[int], uniforms: np.ndarray) -> tuple[int, int]:
+    """(accepted drafts, next token). p [k+1, V] target distributions, q [k, V] the draft's; uniforms [k + 1] in
+    [0, 1): draft i survives when uniforms[i] * q(d_i) < p(d_i), and the token is drawn with uniforms[k]. A request
+    draws all k + 1 at once from its generator, those of the drafts after a rejection unused: the device sampler
+    (samplers.py) draws them so too, so a seed gives the same tokens on both paths."""
     for i, d in enumerate(drafts):
-        if rng.random() * q[i, d] < p[i, d]:          # accept with probability min(1, p/q)
+        if uniforms[i] * q[i, d] < p[i, d]:           # accept with probability min(1, p/q)
             continue
         residual = np.maximum(p[i] - q[i], 0.0)
-        return i, draw(residual if residual.sum() > 0 else p[i], rng)
-    return len(drafts), draw(p[len(drafts)], rng)
+        return i, draw_with(residual if residual.sum() > 0 else p[i], uniforms[len(drafts)])
+    return len(drafts), draw_with(p[len(drafts)], uniforms[len(drafts)])

@@ -14,8 +14,8 @@ Caches live in paged pools (runtime/cache.py) sized once from a memory budget (r
 3. the target's call over every active row: the next prefill chunk, or VERIFY [t, d1..dk] (chunks longer than a
    verify in a call of their own: beside them every verify row would be padded to the chunk);
 4. COMMIT: prefill rows commit the chunk; verify rows accept j drafts + 1 token (greedy or lossless
-   sampling) and commit j+1 positions; the drafter observes what was committed; stop conditions end requests,
-   whose caches are released.
+   sampling, decided by the sampler where the logits are: runtime/samplers.py) and commit j+1 positions; the
+   drafter observes what was committed; stop conditions end requests, whose caches are released.
 
 The scheduler is not thread-safe: the Generator's lock guards it (runtime/generator.py).
 """
@@ -40,10 +40,10 @@ from .detokenize import IncrementalDetokenizer
 from .drafters import Drafter, Proposal
 from .engine_calls import EngineCalls, apart_by_length
 from .metrics import RequestMetrics
-from .pool_arrays import NUMPY_DTYPES
+from .pool_arrays import NUMPY_DTYPES, to_numpy
 from .prefix_cache import PrefixCache, PrefixEntry
-from .sampling import (RequestError, SamplingParams, TokenLogprob, accept_greedy, accept_sampled, distribution, draw,
-                       PenaltyCounts, is_integer, penalize, token_logprob)
+from .samplers import Decision, DeviceSampler, HostSampler, Job
+from .sampling import PenaltyCounts, RequestError, SamplingParams, TokenLogprob, is_integer, token_logprob
 from .sessions import EngineSession
 
 if TYPE_CHECKING:
@@ -59,15 +59,6 @@ class Phase(Enum):
     PREFILL = "prefill"
     DECODE = "decode"
     FINISHED = "finished"
-
-
-def finite(logits: np.ndarray, r: "Request") -> np.ndarray:
-    """`logits` when every value is finite; otherwise the step fails, naming the request: NaN or inf logits (broken
-    weights, an overflow) would decode as token 0, or the last id, forever."""
-    if not np.isfinite(logits).all():
-        raise V4EngineError(f"request {r.id}: the target's logits at position {r.target.length} are not finite (NaN "
-                            "or inf); the engine's weights or its numerics are broken")
-    return logits
 
 
 @dataclass(eq=False)                   # a request is itself: queues find it by identity
@@ -134,6 +125,8 @@ class Scheduler:
         self.budget, self.pools = plan.budget - plan.snapshots, plan.pools     # what the requests' caches share
         self.prefix = PrefixCache(self.pools[TARGET], plan.snapshots) if prefix_cache else None
         self.calls = EngineCalls()
+        # where tokens are decided: beside the logits (a session with its caches on a device keeps them there)
+        self.sampler = DeviceSampler(target.pool_device) if target.pool_device is not None else HostSampler()
         self.planner: VerifyPlanner | None = None     # confidence scheduling, when on: whether to draft, what to verify
         if drafter is not None:
             drafter.bind({part: self.pools[part] for part in parts}, self.calls, self.prefix is not None)
@@ -397,12 +390,23 @@ class Scheduler:
         positions = np.array([r.target.length for r in rows])[:, None] + np.arange(S)     # [B, S]
         feeds = {"input_ids": ids, "positions": positions, **self.pools[TARGET].feeds([r.target for r in rows])}
         out, engine = self.calls.run(self.target_session, feeds, Call.VERIFY if S <= self.mtp + 1 else Call.PREFILL)
+        jobs = {b: Job(r, b, len(x) - 1) if r.phase == Phase.PREFILL else Job(r, b, 0, r.proposal.tokens,
+                                                                                r.proposal.probs)
+                for b, (r, x) in enumerate(zip(rows, inputs))
+                if r.phase == Phase.DECODE or self._first_token(r, len(x))}
+        decisions = dict(zip(jobs, self.sampler.decide(list(jobs.values()), out["logits"])))
         for b, (r, x) in enumerate(zip(rows, inputs)):
             if r.phase == Phase.PREFILL:
-                self._commit_prefill(r, out, b, len(x), new_tokens)
+                self._commit_prefill(r, out, b, len(x), new_tokens, decisions.get(b))
             else:
-                self._verify(r, out, b, new_tokens)
+                self._verify(r, out, b, new_tokens, decisions[b])
         return engine
+
+    @staticmethod
+    def _first_token(r: Request, n: int) -> bool:
+        """Whether a prefill chunk of n positions ends r's context and r has no token yet (a preempted request
+        recomputing its context knows its next token already): its last position gives the first token."""
+        return r.target.length + n == len(r.context) and not r.generated
 
     def _verify_input(self, r: Request) -> list[int]:
         """[t, d1..dj]: the last token and the drafts, trimmed so a verify never commits past the cache's capacity."""
@@ -410,14 +414,17 @@ class Scheduler:
         r.proposal = (r.proposal or Proposal([])).trimmed(room)
         return [r.tokens[-1]] + r.proposal.tokens
 
-    def _commit_prefill(self, r: Request, out: dict[str, Any], b: int, n: int, new_tokens: dict[int, list[int]]
-                        ) -> None:
-        """Commit a prefill chunk of n positions (and take a prefix snapshot there); after the last, sample the
-        first token (not for a preempted request recomputing: its next token is already known)."""
+    def _commit_prefill(self, r: Request, out: dict[str, Any], b: int, n: int, new_tokens: dict[int, list[int]],
+                        decision: Decision | None) -> None:
+        """Commit a prefill chunk of n positions (and take a prefix snapshot there); after the last, emit the first
+        token the sampler decided (`decision`; None for a preempted request recomputing: its next token is already
+        known)."""
         if r.params.prompt_logprobs is not None:          # position p's logits score prompt token p + 1
             start = r.target.length
-            for p in range(max(start, len(r.prompt_logprobs)), min(start + n, len(r.prompt) - 1)):
-                r.prompt_logprobs.append(token_logprob(out["logits"][b, p - start], r.prompt[p + 1],
+            scored = range(max(start, len(r.prompt_logprobs)), min(start + n, len(r.prompt) - 1))
+            logits = to_numpy(out["logits"][b, scored.start - start: scored.stop - start]) if scored else None
+            for p in scored:
+                r.prompt_logprobs.append(token_logprob(logits[p - scored.start], r.prompt[p + 1],
                                                        r.params.prompt_logprobs))
         self._commit(r, out, b, n, prefill=True)
         if self.prefix is not None:
@@ -425,29 +432,23 @@ class Scheduler:
                                r.params.cache_salt or "")
         if r.target.length == len(r.context):
             r.phase = Phase.DECODE
-            if not r.generated:
+            if decision is not None:
                 r.metrics.time_to_first_token = time.perf_counter() - r.arrival
-                logits = out["logits"][b, n - 1 : n]                                            # [1, V]
-                self._emit(r, [self._sample(r, logits[0])], new_tokens, logits)
+                self._emit(r, [decision.token], new_tokens, decision.logprobs)
 
-    def _verify(self, r: Request, out: dict[str, Any], b: int, new_tokens: dict[int, list[int]]) -> None:
-        """Accept j of the drafts and one more token (greedy, or lossless rejection sampling against the
-        distributions the drafts were drawn from); commit the j + 1 positions whose inputs were right."""
-        drafts = r.proposal.tokens
-        logits = finite(out["logits"][b, : len(drafts) + 1], r)                           # [j + 1, V]
-        target = penalize(logits, r.params, r.penalty, drafts)                            # [j + 1, V]
-        if r.params.greedy:
-            accepted, token = accept_greedy(target, drafts)
-        else:
-            q = r.proposal.distributions(logits.shape[-1])                               # [j, V]
-            accepted, token = accept_sampled(distribution(target, r.params), q, drafts, r.rng)
+    def _verify(self, r: Request, out: dict[str, Any], b: int, new_tokens: dict[int, list[int]],
+                decision: Decision) -> None:
+        """The sampler's decision: j of the drafts accepted and one more token (greedy, or lossless rejection
+        sampling against the distributions the drafts were drawn from); commit the j + 1 positions whose inputs
+        were right."""
+        drafts, accepted, token = r.proposal.tokens, decision.accepted, decision.token
         if drafts:
             r.metrics.record_verify(len(drafts), accepted, r.proposal.confidence)
             if self.planner is not None and r.proposal.confidence is not None:
                 self.planner.verified(r.params.greedy, r.proposal.confidence, accepted)
         self._commit(r, out, b, accepted + 1, prefill=False)
         r.proposal = None
-        self._emit(r, drafts[:accepted] + [token], new_tokens, logits)
+        self._emit(r, drafts[:accepted] + [token], new_tokens, decision.logprobs)
 
     def _commit(self, r: Request, out: dict[str, Any], b: int, n: int, prefill: bool) -> None:
         """Write row b's first n new positions into r's target cache, and show them to the drafter."""
@@ -455,22 +456,17 @@ class Scheduler:
         if self.drafter is not None:
             self.drafter.observe(r, {name: out[name][b] for name in self.drafter.reads}, n, prefill)
 
-    def _sample(self, r: Request, logits: np.ndarray) -> int:
-        logits = penalize(finite(logits, r)[None], r.params, r.penalty)[0]
-        if r.params.greedy:
-            return int(logits.argmax())
-        return draw(distribution(logits, r.params), r.rng)
-
-    def _emit(self, r: Request, tokens: list[int], new_tokens: dict[int, list[int]], logits: np.ndarray) -> None:
-        """Append generated tokens up to a stop condition; finish the request when one is met. logits [>= len(tokens),
-        V]: the target's raw logits each token was drawn from (for its logprobs, if asked)."""
+    def _emit(self, r: Request, tokens: list[int], new_tokens: dict[int, list[int]],
+              logprobs: tuple[TokenLogprob, ...]) -> None:
+        """Append generated tokens up to a stop condition; finish the request when one is met. logprobs: each
+        token's, if the request asks (the sampler's decision)."""
         emitted = new_tokens.setdefault(r.id, [])
         for i, token in enumerate(tokens):
             if token in r.stop_ids:
                 self._finish(r, "stop")
                 return
             if r.params.logprobs is not None:
-                r.logprobs.append(token_logprob(logits[i], token, r.params.logprobs))
+                r.logprobs.append(logprobs[i])
             r.tokens.append(token)
             if r.penalty is not None:
                 r.penalty.add(token)

@@ -128,6 +128,21 @@ def trained_dspark_engine(shared) -> tuple[Path, Path]:
         BuildOptions(checkpoint=TRAINED_DSPARK, output=folder, mtp=5, progress=False)))
 
 
+@pytest.fixture(scope="session")
+def cuda_engine(shared):
+    """cuda_engine(checkpoint, mtp) -> the engine folder of `checkpoint` built for ONNX Runtime's CUDA provider
+    (v4build --device cuda: bf16, the CUDA variant), once per run. Nothing here runs it: tests read its graphs, or
+    run them in onnx's reference evaluator (testkit/cuda_reference.py)."""
+    from v4engine.builder.build import BuildOptions, build
+
+    def make(checkpoint: Path, mtp: int) -> Path:
+        name = f"cuda-engine-{checkpoint.name}-mtp={mtp}"
+        return shared(name, lambda folder: build(BuildOptions(checkpoint=checkpoint, output=folder, mtp=mtp,
+                                                              backend_options={"device": "cuda"}, progress=False)))
+
+    return make
+
+
 @pytest.fixture
 def engine_copy(tiny_engine, tmp_path) -> Path:
     """A copy of a good tiny engine (config mixed, --mtp 3) for a test to damage or attack."""

@@ -45,7 +45,7 @@ def test_a_tensorrt_engine_refuses_onnxruntime_options_before_anything_opens(tin
     """TensorRT engines built --cuda-graphs always replay them: `cuda_graphs=False` is an error, not a silence. The
     options are read before any session is made (this machine has no TensorRT)."""
     checkpoint, _ = tiny_engine("mixed")
-    build(BuildOptions(checkpoint=checkpoint, output=tmp_path / "trt", mtp=3, backend="tensorrt",
+    build(BuildOptions(checkpoint=checkpoint, output=tmp_path / "trt", mtp=3, backend="tensorrt", dtype="fp32",
                        backend_options={"onnx_only": True}, progress=False))
     with pytest.raises(RequestError, match=r"^option 'cuda_graphs' is not one tensorrt engines take \(their session "
                                            r"options: none\)$"):
@@ -55,7 +55,7 @@ def test_a_tensorrt_engine_refuses_onnxruntime_options_before_anything_opens(tin
 def test_a_build_option_of_another_backend_is_refused_and_nothing_is_written(tiny_engine, tmp_path):
     checkpoint, _ = tiny_engine("mixed")
     with pytest.raises(BuildError, match=r"^option 'onnx_only' is not one onnxruntime engines take \(their build "
-                                         r"options: cuda_graphs, int8_moe_activations\)$"):
+                                         r"options: device, cuda_graphs, int8_moe_activations\)$"):
         build(BuildOptions(checkpoint=checkpoint, output=tmp_path / "out", backend_options={"onnx_only": True}))
     assert not (tmp_path / "out").exists()
     run = subprocess.run([sys.executable, "-m", "v4engine.builder.cli", "--checkpoint", str(checkpoint), "--output",

@@ -45,7 +45,7 @@ def engines(tiny_engine, tmp_path_factory) -> dict[str, Path]:
     checkpoint, plain = tiny_engine("mixed", agree=0.05)
     work = tmp_path_factory.mktemp("cuda_graphs")
     for backend, extra in (("onnxruntime", {}), ("tensorrt", {"onnx_only": True})):
-        build(BuildOptions(checkpoint=checkpoint, output=work / backend, mtp=3, backend=backend,
+        build(BuildOptions(checkpoint=checkpoint, output=work / backend, mtp=3, backend=backend, dtype="fp32",
                            backend_options={"cuda_graphs": True, **extra}, progress=False))
     return {"plain": plain, "onnxruntime": work / "onnxruntime", "tensorrt": work / "tensorrt",
             "checkpoint": checkpoint}

@@ -316,7 +316,7 @@ def test_the_dspark_engine_for_tensorrt_its_cuda_graphs_form_and_migraphx(dspark
     TensorRT's routed experts as v4 plugin nodes with the draft's extend and cycle profiles, its --cuda-graphs form
     without control flow, and MIGraphX's variant within its allowlist (a build checks it)."""
     checkpoint, _ = dspark_engine
-    common = dict(checkpoint=checkpoint, mtp=7, progress=False)
+    common = dict(checkpoint=checkpoint, mtp=7, dtype="fp32", progress=False)
     trt = build(BuildOptions(output=tmp_path / "trt", backend="tensorrt", backend_options={"onnx_only": True},
                              **common))
     draft = onnx.load(str(tmp_path / "trt" / "draft.onnx"), load_external_data=False)

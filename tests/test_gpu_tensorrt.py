@@ -24,7 +24,7 @@ def test_tensorrt_engines_compute_what_onnxruntime_computes(quantize, tiny_check
     tensorrt = pytest.importorskip("tensorrt")
     trt = pytest.importorskip("polygraphy.backend.trt")
     common = dict(checkpoint=tiny_checkpoint("flash_like", quantize=quantize), mtp=2, max_batch=4, max_seq_len=256,
-                  max_prefill_chunk=16, progress=False)
+                  max_prefill_chunk=16, dtype="fp32", progress=False)
     engine = tmp_path / "tensorrt"
     manifest = build(BuildOptions(output=engine, backend="tensorrt", **common))
     build(BuildOptions(output=tmp_path / "onnxruntime", **common))

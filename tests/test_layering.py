@@ -9,7 +9,7 @@ Every import counts, at module level or inside a function (a lazy import is stil
 are stated and held here: the runtime imports the plugins only in the TensorRT session (plugin registration), and
 the builder imports the Triton repository only in its CLI (`v4build triton-repo`). torch is imported by no module
 at import time in contract/, runtime/ or triton_repo/, and inside functions only where tensors live on a device:
-runtime/pool_arrays.py and runtime/sessions/.
+runtime/pool_arrays.py, runtime/sessions/ and runtime/samplers.py (tokens decided where the logits are).
 
 Backends: generic code never branches on a backend's name; what differs by backend lives on its record
 (contract/backends.py) or in its own modules (runtime/sessions/<name>.py, builder/backends/<name>.py).
@@ -35,7 +35,8 @@ MAY_IMPORT = {
 }
 EXCEPTIONS = {("runtime/sessions/tensorrt.py", "plugins"), ("builder/cli.py", "triton_repo")}
 TORCH_FREE = ("contract", "chat", "runtime", "triton_repo", "server")   # no torch at import time
-LAZY_TORCH = ("runtime/pool_arrays.py", "runtime/sessions/")   # torch inside functions, tensors on a device
+LAZY_TORCH = ("runtime/pool_arrays.py", "runtime/sessions/", "runtime/samplers.py")   # torch inside functions,
+                                                                                     # tensors on a device
 
 
 @dataclass(frozen=True)

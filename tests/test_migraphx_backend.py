@@ -45,7 +45,8 @@ def engines(tiny_checkpoint, tmp_path_factory):
     the releases store them: kept in place + cast, and MIGraphX's programs take them as float32)."""
     checkpoint = tiny_checkpoint("flash_like", quantize="mxfp4", dtype="bfloat16")
     work = tmp_path_factory.mktemp("migraphx")
-    common = dict(checkpoint=checkpoint, mtp=3, max_batch=4, max_seq_len=256, max_prefill_chunk=16, progress=False)
+    common = dict(checkpoint=checkpoint, mtp=3, max_batch=4, max_seq_len=256, max_prefill_chunk=16, dtype="fp32",
+                  progress=False)
     build(BuildOptions(output=work / "migraphx", backend="migraphx", **common))
     build(BuildOptions(output=work / "onnxruntime", **common))
     return work / "migraphx", work / "onnxruntime"

@@ -242,7 +242,7 @@ def test_every_backend_builds_the_stages(engines, tiny_checkpoint, tmp_path, bac
 
     out = tmp_path / backend
     build(BuildOptions(checkpoint=tiny_checkpoint("flash_like", quantize="mxfp4", agree=0.05), output=out, mtp=3,
-                       pipeline_stages=2, backend=backend,
+                       pipeline_stages=2, backend=backend, dtype="fp32",
                        backend_options={"onnx_only": True} if backend == "tensorrt" else {}, progress=False))
     manifest = EngineManifest.read(out)
     assert manifest.stage_graphs == ["target.0", "target.1"]

@@ -1,4 +1,6 @@
-"""Lossless speculative sampling: with MTP drafting, sampled tokens follow the target's own distribution."""
+"""Lossless speculative sampling: with MTP drafting, sampled tokens follow the target's own distribution, whether
+tokens are decided on the host (numpy, runtime/samplers.py HostSampler) or where a device session leaves its
+logits (torch, DeviceSampler; here on the CPU through `device_pools=True`, the same path a GPU session takes)."""
 from __future__ import annotations
 
 import math
@@ -27,7 +29,7 @@ def test_accept_sampled_preserves_the_target_distribution_exactly():
     counts = np.zeros(4)
     for _ in range(20000):
         drafted = int(rng.choice(4, p=q[0]))
-        n, token = accept_sampled(p, q, [drafted], rng)
+        n, token = accept_sampled(p, q, [drafted], rng.random(2))
         counts[drafted if n == 1 else token] += 1
     assert np.abs(counts / counts.sum() - p[0]).sum() / 2 < 0.01
 
@@ -37,7 +39,50 @@ def chi2_critical(df: int, z: float = 3.09) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-@pytest.mark.parametrize("drafter", ["mtp", "prompt_lookup", "dspark", "dspark-greedy-drafts", "dspark-scheduled"])
+def test_the_device_rule_preserves_the_target_distribution_exactly():
+    """The device sampler's rejection rule alone, every row of a call at once: P(next token) = p, whatever q."""
+    from types import SimpleNamespace
+
+    from v4engine.runtime.samplers import DeviceSampler, Job
+
+    p = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.1, 0.1, 0.1, 0.7]], dtype=torch.float64)
+    q = np.array([[0.1, 0.1, 0.1, 0.7]])
+    rng, n = np.random.default_rng(0), 20000
+    params = SamplingParams(temperature=1.0)
+    jobs = []
+    for _ in range(n):
+        request = SimpleNamespace(params=params, rng=rng, penalty=None)
+        jobs.append(Job(request, 0, 0, [int(rng.choice(4, p=q[0]))], q))
+    logits = torch.log(p.clamp(min=1e-30))                      # finite: a probability of 0 is e^-69
+    decisions = DeviceSampler("cpu").decide(jobs, logits[None].float())
+    counts = np.zeros(4)
+    for job, decision in zip(jobs, decisions):
+        counts[job.drafts[0] if decision.accepted == 1 else decision.token] += 1
+    assert np.abs(counts / n - p[0].numpy()).sum() / 2 < 0.01
+
+
+def test_the_device_sampler_decides_the_host_samplers_greedy_tokens_and_logprobs(trained_engine):
+    """Greedy rows (penalized too), their logprobs (float64 sums in another order: within 1e-6), and a seeded
+    sampled row beside them: the same tokens on both paths (each draws its uniforms as the other does)."""
+    greedy = [SamplingParams(max_new_tokens=24, logprobs=3), SamplingParams(
+        max_new_tokens=24, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2)]
+    sampled = SamplingParams(max_new_tokens=24, temperature=0.9, top_k=40, top_p=0.9, seed=3)
+    prompts = ["def fib(n):", "class Stack:", "import os"]
+    results = {}
+    for name, options in (("host", None), ("device", {"device_pools": True})):
+        generator = Generator.from_engine_dir(trained_engine, mtp=3, backend_options=options)
+        assert type(generator.scheduler.sampler).__name__ == f"{name.title()}Sampler"
+        results[name] = generator.generate(prompts, greedy + [sampled])
+    for host, device in zip(results["host"][:2], results["device"][:2]):
+        assert host.token_ids == device.token_ids
+    for host, device in zip(results["host"][0].logprobs, results["device"][0].logprobs):
+        assert host.token == device.token and abs(host.logprob - device.logprob) < 1e-6
+        assert [t for t, _ in host.top] == [t for t, _ in device.top]
+    assert results["host"][2].token_ids == results["device"][2].token_ids
+
+
+@pytest.mark.parametrize("drafter", ["mtp", "prompt_lookup", "dspark", "dspark-greedy-drafts", "dspark-scheduled",
+                                     "mtp-device-sampler", "dspark-device-sampler"])
 def test_first_two_sampled_tokens_follow_the_target_joint_distribution(tiny_engine, drafter):
     checkpoint, engine = tiny_engine("mixed", agree=0.05) if not drafter.startswith("dspark") else \
         tiny_engine("mixed", mtp=7, drafter="dspark", agree=0.1)
@@ -60,7 +105,8 @@ def test_first_two_sampled_tokens_follow_the_target_joint_distribution(tiny_engi
     exact = {(a, b): p1[a] * pb for a in np.flatnonzero(p1) for b, pb in enumerate(target_probs(prompt + [a]))
              if pb > 0}
 
-    generator = Generator.from_engine_dir(engine, limits=Limits(max_batch=64), **options)
+    device = {"backend_options": {"device_pools": True}} if drafter.endswith("device-sampler") else {}
+    generator = Generator.from_engine_dir(engine, limits=Limits(max_batch=64), **options, **device)
     if drafter == "dspark-scheduled":       # widths that vary with the drafts' confidence (runtime/verify_schedule.py)
         widths = (tuple(1e-3 + 2e-4 * w for w in range(1, 5)),)      # a draft pays where its survival beats ~0.3
         generator.scheduler.planner = VerifyPlanner(StepCosts((1,), (1.2e-3,), (1e-4,), widths, (0.0,), (1e-2,), (0.0,)))

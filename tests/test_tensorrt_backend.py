@@ -7,13 +7,15 @@
 2. The preparation changes no value: the prepared graph run by ONNX Runtime equals the ONNX Runtime engine, and the
    stored experts decode to exactly the checkpoint's values.
 3. The profiles cover every call the scheduler makes, and the tightest one is chosen.
-4. The builder glue drives TensorRT's API as documented (a recording stand-in for the tensorrt module).
+4. The builder glue drives TensorRT's API as documented (a recording stand-in for the tensorrt module): plans are
+   built without their weights (STRIP_PLAN, REFIT_IDENTICAL; one profile covering every call), and a session
+   refits a stripped plan from the checkpoint's own files, in place, through the engine folder's checked maps.
 5. Without TensorRT: a full build, or opening a prepared engine, fails with one clear line.
 """
 from __future__ import annotations
 
 import contextlib
-
+import ctypes
 import dataclasses
 import json
 import shutil
@@ -29,7 +31,7 @@ import torch
 from onnx.reference import ReferenceEvaluator
 
 from v4engine.builder.backends.profiles import profiles
-from v4engine.builder.backends.tensorrt import build_plan, prepare_graph
+from v4engine.builder.backends.tensorrt import build_plan, plan_profiles, prepare_graph
 from v4engine.builder.build import BuildOptions, build
 from v4engine.builder.checkpoint import Checkpoint
 from v4engine.builder.weights import _Attacher
@@ -59,8 +61,9 @@ def prepared(tiny_checkpoint, tmp_path_factory):
         if quantize not in made:
             checkpoint = tiny_checkpoint("flash_like", quantize=quantize)
             out = tmp_path_factory.mktemp("trt") / quantize
-            build(BuildOptions(checkpoint=checkpoint, output=out, mtp=3, backend="tensorrt", backend_options={"onnx_only": True},
-                               max_batch=4, max_seq_len=256, max_prefill_chunk=16, progress=False))
+            build(BuildOptions(checkpoint=checkpoint, output=out, mtp=3, backend="tensorrt", dtype="fp32",
+                               backend_options={"onnx_only": True}, max_batch=4, max_seq_len=256,
+                               max_prefill_chunk=16, progress=False))
             made[quantize] = (checkpoint, out)
         return made[quantize]
 
@@ -277,6 +280,9 @@ class FakeTensorRT:
             def clear_flag(self, flag):
                 fake.calls.append(("clear_flag", flag))
 
+            def set_flag(self, flag):
+                fake.calls.append(("set_flag", flag))
+
             def create_timing_cache(self, data):
                 fake.calls.append(("create_timing_cache", bytes(data)))
                 return SimpleNamespace(serialize=lambda: b"cache:" + bytes(data))
@@ -331,11 +337,13 @@ class FakeTensorRT:
         self.Builder, self.OnnxParser = Builder, Parser
         self.NetworkDefinitionCreationFlag = SimpleNamespace(STRONGLY_TYPED=2)
         self.OnnxParserFlag = SimpleNamespace(ENABLE_PLUGIN_OVERRIDE="ENABLE_PLUGIN_OVERRIDE")
-        self.BuilderFlag = SimpleNamespace(TF32="TF32")
+        self.BuilderFlag = SimpleNamespace(TF32="TF32", STRIP_PLAN="STRIP_PLAN", REFIT_IDENTICAL="REFIT_IDENTICAL")
 
 
 def test_engine_build_sets_every_profile_flag_and_the_timing_cache(prepared, tmp_path):
-    """Also: preparing a graph twice changes nothing (a rebuild of a prepared folder)."""
+    """A stripped plan (no weights in it) holds one profile covering every call, opt at the per-token call's (a
+    refittable engine takes one). Also: preparing a graph twice changes nothing (a rebuild of a prepared
+    folder)."""
     _, engine = prepared("fp8")
     manifest = EngineManifest.read(engine)
     draft = onnx.load(str(engine / "draft.onnx"), load_external_data=False)
@@ -347,18 +355,27 @@ def test_engine_build_sets_every_profile_flag_and_the_timing_cache(prepared, tmp
     replaced.write_bytes(b"old")
     cache = tmp_path / "timing.cache"
     graph_profiles = profiles(manifest, "draft")
-    result = build_plan(trt, engine / "draft.onnx", tmp_path / "draft.plan", graph_profiles, 2, cache,
+    (in_plan,) = plan_profiles({"draft": tuple(graph_profiles)})["draft"]
+    assert in_plan == manifest.compiled.plan_profiles["draft"][0], "engine.json records the plan's profile"
+    cycle = next(p for p in graph_profiles if p.name == "cycle")
+    for name, (lo, opt, hi) in in_plan.shapes.items():
+        assert opt == cycle.shapes[name][1], "tuned for the per-token call"
+        assert lo == tuple(map(min, zip(*(p.shapes[name][0] for p in graph_profiles))))
+        assert hi == tuple(map(max, zip(*(p.shapes[name][2] for p in graph_profiles))))
+    result = build_plan(trt, engine / "draft.onnx", tmp_path / "draft.plan", [in_plan], 2, cache,
                         seed_cache=replaced, fp32=True)
+    assert ("set_flag", "STRIP_PLAN") in trt.calls and ("set_flag", "REFIT_IDENTICAL") in trt.calls, \
+        "the plan holds no weights; refitted with the same ones it keeps its speed"
     assert ("network", 1 << 2) in trt.calls, "a strongly typed network"
     assert ("parser_flag", "ENABLE_PLUGIN_OVERRIDE") in trt.calls and ("parse", "draft.onnx") in trt.calls
     assert ("create_timing_cache", b"old") in trt.calls and cache.read_bytes() == b"cache:old", "seeded, written"
     assert ("clear_flag", "TF32") in trt.calls, "fp32 engines stay fp32"
     set_profiles = [c[1] for c in trt.calls if c[0] == "profile"]
-    assert set_profiles == [p.shapes for p in graph_profiles]
+    assert set_profiles == [in_plan.shapes]
     dynamic = {s.name for s in manifest.graphs["draft"].inputs if not all(isinstance(d, int) for d in s.shape)}
     assert all(set(p) == dynamic for p in set_profiles), "every dynamic input, in every profile"
     assert ("build", 2) in trt.calls and (tmp_path / "draft.plan").read_bytes() == b"plan-bytes"
-    assert result.plan == "draft.plan" and result.bytes == len(b"plan-bytes")
+    assert result.plan == "draft.plan" and result.bytes == len(b"plan-bytes") and result.stripped
 
 
 def test_without_tensorrt_a_full_build_fails_at_once(tiny_checkpoint, tmp_path):
@@ -442,3 +459,79 @@ def test_the_session_loads_the_plan_its_compile_record_names(prepared, tmp_path,
     with pytest.raises(EngineFormatError, match=r"build\.compile\.plans\.draft\.plan") as failure:
         open_session(engine, EngineManifest.read(engine), "draft")
     assert "\n" not in str(failure.value) and loaded == [b"plan of draft"] * 2
+
+
+def test_a_stripped_plan_is_refitted_from_the_checkpoints_own_files(prepared, tmp_path, monkeypatch):
+    """TensorRT stood in for: a session deserializes the stripped plan, hands TensorRT's ONNX refitter the graph's
+    checked bytes and, for every initializer of the weight files, a pointer to its bytes in the checkpoint's own
+    files (the engine folder's memory maps: the very bytes, nothing copied), then refits; a weight TensorRT still
+    misses afterwards is refused in one line naming it."""
+    from v4engine.runtime.sessions import tensorrt as session_module
+
+    engine = Path(shutil.copytree(prepared("mxfp4")[1], tmp_path / "engine", symlinks=True))
+    manifest = EngineManifest.read(engine)
+    (engine / "draft.plan").write_bytes(b"stripped plan of draft")
+    manifest.compiled = dataclasses.replace(manifest.compiled, tensorrt="stand-in", plans={
+        graph: BuiltPlan(f"{graph}.plan", 22, 0.0, stripped=True) for graph in manifest.graphs})
+    manifest.write(engine)
+    calls, missing = [], []
+
+    class Refitter:
+        def __init__(self, engine_, logger):
+            calls.append(("refitter", engine_))
+
+        def get_missing_weights(self):
+            return list(missing)
+
+        def refit_cuda_engine(self):
+            calls.append(("refit_cuda_engine",))
+            return True
+
+    class OnnxParserRefitter:
+        num_errors = 0
+
+        def __init__(self, refitter, logger):
+            pass
+
+        def load_model_proto(self, model, path):
+            calls.append(("model", bytes(model)))
+            return True
+
+        def load_initializer(self, name, pointer, size):
+            calls.append(("initializer", name, ctypes.string_at(pointer, size)))
+            return True
+
+        def refit_model_proto(self):
+            calls.append(("refit_model_proto",))
+            return True
+
+    class Runtime:
+        def __init__(self, logger):
+            pass
+
+        def deserialize_cuda_engine(self, data):
+            return SimpleNamespace(create_execution_context=lambda: None, plan=bytes(data))
+
+    trt = SimpleNamespace(Logger=type("Logger", (), {"WARNING": 2, "__init__": lambda self, level: None}),
+                          Runtime=Runtime, Refitter=Refitter, OnnxParserRefitter=OnnxParserRefitter)
+    cuda = SimpleNamespace(Stream=lambda d: None, current_device=lambda: 0, device=lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(session_module, "_import_tensorrt", lambda: (trt, SimpleNamespace(
+        device=lambda kind, index: (kind, index), cuda=cuda)))
+    open_session(engine, EngineManifest.read(engine), "draft")
+    model = onnx.load(str(engine / "draft.onnx"), load_external_data=False)
+    assert calls[0][0] == "refitter" and calls[0][1].plan == b"stripped plan of draft"
+    assert calls[1] == ("model", (engine / "draft.onnx").read_bytes())
+    fed = {name: data for kind, name, data in (c for c in calls if c[0] == "initializer")}
+    external = [t for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    assert sorted(fed) == sorted(t.name for t in external) and len(fed) > 50
+    for tensor in external:                                   # the checkpoint's bytes, read through the links
+        info = onnx.external_data_helper.ExternalDataInfo(tensor)
+        with open(engine / info.location, "rb") as f:
+            f.seek(info.offset or 0)
+            assert fed[tensor.name] == f.read(info.length)
+    assert [c[0] for c in calls[-2:]] == ["refit_model_proto", "refit_cuda_engine"]
+    missing.append("model.layers.0.attn.wq_a.weight.fp8")
+    with pytest.raises(EngineFormatError, match=r"draft\.onnx: the stripped plan still lacks 1 weight\(s\) after "
+                                                r"the refit, 'model\.layers\.0\.attn\.wq_a\.weight\.fp8' first; "
+                                                r"refused$"):
+        open_session(engine, EngineManifest.read(engine), "draft")

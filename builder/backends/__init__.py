@@ -3,8 +3,8 @@
 Each module provides the three steps of a build that differ by backend:
 - `preflight(options)`: fail before the export when the backend's compiler is needed but missing (one clear line);
   `options`: the backend's own build options (contract/backend_options.py);
-- `prepare_graph(model, name)`: the backend's rewrite of an exported graph, in memory, before the build checks and
-  saves it: (the graph, what to record of it);
+- `prepare_graph(model, name, options)`: the backend's rewrite of an exported graph, in memory, before the build
+  checks and saves it: (the graph, what to record of it);
 - `compile_engine(engine_dir, manifest, build, options, prepared)`: compile (and check) the saved graphs (`build`:
   the whole build's options, `options` the backend's own); returns the backend's compile record, which engine.json
   holds as `build.compile`.
@@ -25,10 +25,6 @@ if TYPE_CHECKING:
 
     from ..build import BuildOptions
 
-# The quantized weight formats each backend keeps quantized in place (the registry says why)
-QUANTIZED_IN_PLACE = {name: backend.quantized_in_place for name, backend in BACKENDS.items()}
-
-
 def builder_module(backend: str) -> ModuleType:
     """The builder module of `backend` (the registry names it)."""
     return import_module(BACKENDS[backend].builder)
@@ -39,10 +35,11 @@ def preflight(backend: str, options: BackendOptions) -> None:
     builder_module(backend).preflight(options)
 
 
-def prepare_graph(backend: str, model: onnx.ModelProto, name: str) -> tuple[onnx.ModelProto, Any]:
-    """The backend's rewrite of the exported graph `name`, in memory, before the build checks and saves it:
-    (the graph, what to record of it)."""
-    return builder_module(backend).prepare_graph(model, name)
+def prepare_graph(backend: str, model: onnx.ModelProto, name: str, options: BackendOptions
+                  ) -> tuple[onnx.ModelProto, Any]:
+    """The backend's rewrite of the exported graph `name`, in memory, before the build checks and saves it
+    (`options`: the backend's build options): (the graph, what to record of it)."""
+    return builder_module(backend).prepare_graph(model, name, options)
 
 
 def compile_engine(engine_dir: Path, manifest: EngineManifest, build: BuildOptions, options: BackendOptions,

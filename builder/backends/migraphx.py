@@ -129,7 +129,8 @@ def preflight(options: MIGraphXBuild) -> None:
     """Nothing to check: without MIGraphX the build leaves compile_migraphx.sh instead of programs."""
 
 
-def prepare_graph(model: onnx.ModelProto, name: str) -> tuple[onnx.ModelProto, Variant]:
+def prepare_graph(model: onnx.ModelProto, name: str, options: MIGraphXBuild | None = None
+                  ) -> tuple[onnx.ModelProto, Variant]:
     """The portable graph `name` as the MIGraphX variant (steps 1-4 of the module doc; the build then runs the
     checker and strict shape inference on it, step 3's proof): (variant, what to record of it)."""
     use_stored_experts(model)

@@ -6,10 +6,14 @@ The CPU execution provider has no bfloat16 kernels: a bf16 engine is checked on 
 onnxruntime-gpu is installed, and otherwise recorded as not loaded here (the graphs still passed onnx.checker
 and strict shape inference).
 
+`--device cuda` builds the CUDA variant (onnxruntime_cuda.py): every node on the CUDA provider, weights read as
+stored, its verify and draft-cycle calls recorded as CUDA graphs; engine.json says so (`build.compile.device`).
+
 An engine built with --cuda-graphs also records its graphs' calls as profiles (as TensorRT's), and the verify
 and draft-cycle ones as those the CUDA provider records (contract/calls.py)."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +22,7 @@ import onnx
 import onnxruntime as ort
 from onnx import helper, numpy_helper
 
-from v4engine.contract.backend_options import OnnxRuntimeBuild, OnnxRuntimeSessionOptions
+from v4engine.contract.backend_options import ORT_DEVICES, OnnxRuntimeBuild, OnnxRuntimeSessionOptions
 from v4engine.contract.backends import OnnxRuntimeCompiled
 from v4engine.contract.calls import captured_calls
 from v4engine.contract.engine import EngineManifest
@@ -27,6 +31,7 @@ from v4engine.plugins import DOMAIN
 from v4engine.plugins.moe import NAME as ROUTED_EXPERTS
 from v4engine.runtime.sessions.onnxruntime import OnnxRuntimeSession
 
+from . import onnxruntime_cuda
 from .profiles import engine_profiles
 
 if TYPE_CHECKING:
@@ -36,12 +41,18 @@ MICROSOFT = "com.microsoft"
 
 
 def preflight(options: OnnxRuntimeBuild) -> None:
-    """Nothing to check: ONNX Runtime is one of v4engine's own dependencies."""
+    """The device must be one ONNX Runtime engines are built for (ONNX Runtime itself is a dependency of ours)."""
+    if options.device not in ORT_DEVICES:
+        raise V4EngineError(f"--device must be one of {', '.join(ORT_DEVICES)} for onnxruntime engines "
+                            f"(got {options.device!r})")
 
 
-def prepare_graph(model: onnx.ModelProto, name: str) -> tuple[onnx.ModelProto, int]:
+def prepare_graph(model: onnx.ModelProto, name: str, options: OnnxRuntimeBuild = OnnxRuntimeBuild()
+                  ) -> tuple[onnx.ModelProto, Any]:
     """The exported graph with every v4::RoutedExperts node run by ONNX Runtime's own grouped MoE (grouped_moe),
-    and how many were."""
+    and how many were; for --device cuda, the CUDA variant and what its preparation found."""
+    if options.device == "cuda":
+        return onnxruntime_cuda.prepare(model, name)
     return model, grouped_moe(model)
 
 
@@ -49,21 +60,22 @@ def compile_engine(engine_dir: Path, manifest: EngineManifest, build: BuildOptio
                    prepared: dict[str, Any]) -> OnnxRuntimeCompiled:
     """Load every graph on the provider that runs it (the module doc says how)."""
     moe = "int8" if options.int8_moe_activations else "fp32"
-    if manifest.dtype == "bf16":
+    profiles = engine_profiles(manifest) if options.cuda_graph_ready else None
+    record = OnnxRuntimeCompiled(ort.__version__, (), moe_activations=moe, device=options.device, profiles=profiles,
+                                 cuda_graphs=captured_calls(profiles) if profiles else ())
+    if manifest.dtype == "bf16" or options.device == "cuda":
         if "CUDAExecutionProvider" not in ort.get_available_providers():
-            return OnnxRuntimeCompiled(ort.__version__, (), not_loaded="the CPU execution provider has no bfloat16 "
-                                       "kernels; this engine runs on the CUDA execution provider (onnxruntime-gpu)",
-                                       moe_activations=moe)
+            why = "built for the CUDA execution provider" if options.device == "cuda" else \
+                "the CPU execution provider has no bfloat16 kernels"
+            return dataclasses.replace(record, not_loaded=f"{why}; this engine runs on the CUDA execution provider "
+                                       "(onnxruntime-gpu), which this ONNX Runtime has not")
         providers = ("CUDAExecutionProvider",)
     else:
         providers = ("CPUExecutionProvider",)
+    manifest.compiled = record           # what the session reads of the engine (its device) while checking it
     for graph in manifest.graphs:
         OnnxRuntimeSession(engine_dir, manifest, graph, options=OnnxRuntimeSessionOptions(providers), load_check=True)
-    if options.cuda_graphs:         # the calls recorded as CUDA graphs, by the buckets of their profiles
-        profiles = engine_profiles(manifest)
-        return OnnxRuntimeCompiled(ort.__version__, providers, profiles=profiles, cuda_graphs=captured_calls(profiles),
-                                   moe_activations=moe)
-    return OnnxRuntimeCompiled(ort.__version__, providers, moe_activations=moe)
+    return dataclasses.replace(record, providers_checked=providers)
 
 
 # ---------------------------------------------------------------------- the routed experts

@@ -14,9 +14,14 @@ Preparation (always; all that `--onnx-only` does):
   dtype, hc mixes, sinks and softmaxes in fp32, FP8 weights in place with a blocked DequantizeLinear.
 - optimization profiles, one per kind of call the runtime makes (`profiles`), recorded in engine.json.
 
-Build (TensorRT importable, no `--onnx-only`): a strongly typed network parsed from each prepared graph, one
-optimization profile per entry of `profiles`, a timing cache (read if it exists, written back after), and
-`--builder-optimization-level`; each serialized engine goes next to its graph as `{graph}.plan`.
+Build (TensorRT importable, no `--onnx-only`): a strongly typed network parsed from each prepared graph, a timing
+cache (read if it exists, written back after) and `--builder-optimization-level`; each serialized engine goes next
+to its graph as `{graph}.plan`, **without its weights**: STRIP_PLAN with REFIT_IDENTICAL (a plan of the
+non-refittable engine's speed whose refittable weights are left out; TensorRT 10/11 NvInfer.h), refitted by the
+session from the graph's own weight files, the checkpoint's (runtime/sessions/tensorrt.py). A refittable engine
+takes a single optimization profile (NvInfer.h, addOptimizationProfile), so the plan holds one covering every
+call, its opt shapes the per-token call's (`merged_profile`: decode is what runs most); engine.json keeps the
+calls' own profiles, which give the CUDA graphs' buckets, and records the plan's as `plan_profiles`.
 """
 from __future__ import annotations
 
@@ -29,10 +34,10 @@ import onnx
 
 from v4engine.contract.backend_options import TensorRTBuild
 from v4engine.contract.backends import TIMING_CACHE, BuiltPlan, TensorRTCompiled
-from v4engine.contract.calls import captured_calls
+from v4engine.contract.calls import CAPTURED_CALLS, captured_calls
 from v4engine.contract.engine import EngineManifest
 from v4engine.contract.errors import V4EngineError
-from v4engine.contract.profiles import Profile
+from v4engine.contract.profiles import Profile, merged_profile
 from v4engine.plugins import AOT_OPS, DOMAIN
 from v4engine.plugins.common import plugin_attrs
 from v4engine.plugins.tensorrt import MIN_TENSORRT, TensorRTNotInstalled, register_plugins
@@ -71,7 +76,8 @@ def preflight(options: TensorRTBuild) -> None:
         check_installed()
 
 
-def prepare_graph(model: onnx.ModelProto, name: str) -> tuple[onnx.ModelProto, int]:
+def prepare_graph(model: onnx.ModelProto, name: str, options: TensorRTBuild | None = None
+                  ) -> tuple[onnx.ModelProto, int]:
     """The graph with every attention, indexer and compressor node marked for its AOT plugin kernel (mark_aot) and
     every routed-experts node a just-in-time plugin node over the experts as stored; how many plugin nodes."""
     experts = use_stored_experts(model)
@@ -97,7 +103,8 @@ def check_installed() -> Any:
 
 def build_plan(trt: Any, onnx_path: Path, plan_path: Path, graph_profiles: Sequence[Profile], optimization_level: int,
                timing_cache: Path, seed_cache: Path | None = None, fp32: bool = False) -> BuiltPlan:
-    """Parse, configure and build one serialized engine (TensorRT's documented Python API).
+    """Parse, configure and build one serialized engine without its weights (TensorRT's documented Python API; the
+    module doc says why one profile: `graph_profiles` are what the plan holds).
 
     The timing cache is read from `timing_cache`, else from `seed_cache` (the engine being replaced), and written
     to `timing_cache`. fp32 engines build without TF32 (on by default in TensorRT), so they stay exact to fp32."""
@@ -114,6 +121,8 @@ def build_plan(trt: Any, onnx_path: Path, plan_path: Path, graph_profiles: Seque
                                  f"{error.desc()} ({parser.num_errors} error(s))")
     config = builder.create_builder_config()
     config.builder_optimization_level = optimization_level
+    config.set_flag(trt.BuilderFlag.STRIP_PLAN)          # the weights stay in the checkpoint's files
+    config.set_flag(trt.BuilderFlag.REFIT_IDENTICAL)     # refitted with exactly those: the plan keeps full speed
     if fp32:
         config.clear_flag(trt.BuilderFlag.TF32)
     known = next((c for c in (timing_cache, seed_cache) if c is not None and c.is_file()), None)
@@ -130,7 +139,14 @@ def build_plan(trt: Any, onnx_path: Path, plan_path: Path, graph_profiles: Seque
         raise TensorRTBuildError(f"{onnx_path}: TensorRT could not build an engine (see its log above)")
     plan_path.write_bytes(bytes(serialized))
     timing_cache.write_bytes(bytes(config.get_timing_cache().serialize()))
-    return BuiltPlan(plan_path.name, plan_path.stat().st_size, round(time.perf_counter() - started, 1))
+    return BuiltPlan(plan_path.name, plan_path.stat().st_size, round(time.perf_counter() - started, 1), stripped=True)
+
+
+def plan_profiles(graph_profiles: dict[str, tuple[Profile, ...]]) -> dict[str, tuple[Profile, ...]]:
+    """Each graph's one profile for its stripped plan: every call's shapes, opt at its per-token call's."""
+    return {graph: (merged_profile(profiles, "all", next((p.name for p in profiles if p.name in CAPTURED_CALLS),
+                                                          None)),)
+            for graph, profiles in graph_profiles.items()}
 
 
 def compile_engine(engine_dir: Path, manifest: EngineManifest, build: BuildOptions, options: TensorRTBuild,
@@ -141,6 +157,7 @@ def compile_engine(engine_dir: Path, manifest: EngineManifest, build: BuildOptio
     The timing cache: --timing-cache, kept across builds; default: `timing.cache` in the engine, seeded from the
     engine folder a --force rebuild replaces (build.output) when that has one."""
     graph_profiles = engine_profiles(manifest)
+    in_plans = plan_profiles(graph_profiles)
     level = options.builder_optimization_level
     if options.onnx_only:
         plans, timing_cache = None, None
@@ -149,14 +166,15 @@ def compile_engine(engine_dir: Path, manifest: EngineManifest, build: BuildOptio
         trt = check_installed()
         cache = options.timing_cache or engine_dir / TIMING_CACHE
         seed = build.output / TIMING_CACHE if options.timing_cache is None else None
-        plans = {graph: build_plan(trt, engine_dir / entry.file, engine_dir / f"{graph}.plan", graph_profiles[graph],
+        plans = {graph: build_plan(trt, engine_dir / entry.file, engine_dir / f"{graph}.plan", in_plans[graph],
                                    level, cache, seed, fp32=manifest.dtype == "fp32")
                  for graph, entry in manifest.graphs.items()}
         version, timing_cache = trt.__version__, str(options.timing_cache) if options.timing_cache else TIMING_CACHE
     return TensorRTCompiled(profiles=graph_profiles, optimization_level=level, plugin_nodes=prepared, plans=plans,
                             tensorrt=version, timing_cache=timing_cache,
-                            cuda_graphs=captured_calls(graph_profiles) if options.cuda_graphs else ())
+                            cuda_graphs=captured_calls(graph_profiles) if options.cuda_graphs else (),
+                            plan_profiles=in_plans)
 
 
-__all__ = ["preflight", "prepare_graph", "mark_aot", "check_installed", "build_plan", "compile_engine",
+__all__ = ["preflight", "prepare_graph", "mark_aot", "check_installed", "build_plan", "plan_profiles", "compile_engine",
            "TensorRTBuildError"]

@@ -21,13 +21,14 @@ from .v4 import LayerCache, LayerDelta
 class ModelState:
     """Per-sequence histories of every cache of the target (draft=False) or of the MTP layer (draft=True)."""
 
-    def __init__(self, cfg: V4Config, batch: int, draft: bool = False, dtype: torch.dtype = torch.float32):
-        self.cfg, self.dtype = cfg, dtype
+    def __init__(self, cfg: V4Config, batch: int, draft: bool = False, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu"):
+        self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         self.layout = layout = MTP.layout(cfg) if draft else CacheLayout.target(cfg)
         self.layers = [layout.of_layer(layer) for layer in dict.fromkeys(g.layer for g in layout.groups)]
         self.lengths = [0] * batch
         self.history: list[list[dict[str, torch.Tensor]]] = [
-            [{g.name: torch.zeros(0, g.width, dtype=dtype) for g in groups} for _ in range(batch)]
+            [{g.name: torch.zeros(0, g.width, dtype=dtype, device=self.device) for g in groups} for _ in range(batch)]
             for groups in self.layers]
 
     @property
@@ -36,8 +37,8 @@ class ModelState:
 
     def positions(self, n_new: int) -> torch.Tensor:
         """[B, n_new] consecutive positions starting at each row's committed length."""
-        start = torch.tensor(self.lengths).unsqueeze(1)
-        return start + torch.arange(n_new).unsqueeze(0)
+        start = torch.tensor(self.lengths, device=self.device).unsqueeze(1)
+        return start + torch.arange(n_new, device=self.device).unsqueeze(0)
 
     def views(self) -> list[LayerCache]:
         """What a forward reads of each layer: the rows the layout's view holds, compressed rows padded."""
@@ -57,7 +58,7 @@ class ModelState:
         for b, length in enumerate(self.lengths):
             sequence = SequenceCache(pool)
             sequence.reserve(length)
-            sequence.commit({g.pool: rows[b][g.name].numpy() for groups, rows in zip(self.layers, self.history)
+            sequence.commit({g.pool: rows[b][g.name].cpu().numpy() for groups, rows in zip(self.layers, self.history)
                              for g in groups}, length)
             sequences.append(sequence)
         return pool.feeds(sequences)
@@ -77,12 +78,12 @@ class ModelState:
         out = []
         for row in rows:
             hist = row[name][-count:] if count else row[name][:0]
-            pad = torch.zeros(count - hist.shape[0], hist.shape[1], dtype=self.dtype)
+            pad = torch.zeros(count - hist.shape[0], hist.shape[1], dtype=self.dtype, device=self.device)
             out.append(torch.cat([pad, hist]))
         return torch.stack(out)
 
     def _padded(self, rows: list[dict[str, torch.Tensor]], name: str) -> torch.Tensor:
         width = rows[0][name].shape[1]
         longest = max(row[name].shape[0] for row in rows)
-        return torch.stack([torch.cat([row[name], torch.zeros(longest - row[name].shape[0], width,
-                                                                dtype=self.dtype)]) for row in rows])
+        return torch.stack([torch.cat([row[name], torch.zeros(longest - row[name].shape[0], width, dtype=self.dtype,
+                                                                device=self.device)]) for row in rows])

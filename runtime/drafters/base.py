@@ -34,11 +34,12 @@ if TYPE_CHECKING:
 
 @dataclass
 class Proposal:
-    """One request's drafts for its next verify. `probs` [len(tokens), V]: the distribution each was drawn from;
-    None: each was chosen deterministically (a one-hot distribution)."""
+    """One request's drafts for its next verify. `probs` [len(tokens), V]: the distribution each was drawn from (numpy,
+    or a torch tensor on the device where a draft graph left it); None: each was chosen deterministically (a one-hot
+    distribution)."""
 
     tokens: list[int]
-    probs: np.ndarray | None = None
+    probs: Any = None
     confidence: np.ndarray | None = None     # [len(tokens)]: each draft's survival chance, where the drafter says
 
     def trimmed(self, n: int) -> "Proposal":
@@ -46,13 +47,6 @@ class Proposal:
         return Proposal(self.tokens[:n], None if self.probs is None else self.probs[:n],
                         None if self.confidence is None else self.confidence[:n])
 
-    def distributions(self, vocab: int) -> np.ndarray:
-        """[len(tokens), vocab]: `probs`, or one-hot rows."""
-        if self.probs is not None:
-            return self.probs
-        q = np.zeros((len(self.tokens), vocab))
-        q[np.arange(len(self.tokens)), self.tokens] = 1.0
-        return q
 
 
 class Drafter(ABC):

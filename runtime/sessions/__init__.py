@@ -14,6 +14,9 @@ from v4engine.contract.errors import V4EngineError
 from v4engine.contract.layout import NEW_PREFIX
 
 
+SAMPLED = frozenset({"logits", "draft_probs"})     # the outputs tokens are decided from (runtime/samplers.py)
+
+
 class EngineRunError(V4EngineError):
     """An engine call failed, or returned outputs of other shapes than its graph declares."""
 
@@ -23,8 +26,10 @@ class EngineSession(ABC):
 
     `pool_device` says where the session reads the cache pools: None, host numpy arrays (and every output is
     numpy); a torch device ("cuda:0"), torch tensors there, read in place, and the `new.*` outputs may be torch
-    tensors there too (the pool writes them on the device), as may those named in `keep_on_device` (a pipeline
-    stage's streams, for the next stage). The other outputs are always numpy. `pool_shape`: the pool sizes
+    tensors there too (the pool writes them on the device), as may the distributions tokens are decided from
+    (`SAMPLED`: the target's logits, the draft's probabilities; runtime/samplers.py DeviceSampler decides there) and
+    those named in `keep_on_device` (a pipeline stage's streams, for the next stage). The other outputs are always
+    numpy. `pool_shape`: the pool sizes
     (`pool_slots`, `pool_blocks`) a session of static shapes takes and no other (MIGraphX's programs), which the
     scheduler then allocates; None: any."""
 
@@ -40,9 +45,11 @@ class EngineSession(ABC):
         demo, the benchmarks), never by the library on its own. Nothing by default."""
 
     @classmethod
-    def prefill_chunk(cls, options: BackendOptions, devices: object) -> int | None:
+    def prefill_chunk(cls, options: BackendOptions, devices: object, manifest: EngineManifest | None = None
+                      ) -> int | None:
         """The prompt tokens per call this backend runs best with where the engine allows more and the caller
-        named none (Limits.max_prefill_chunk), on these options and `devices`; None: the engine's limit."""
+        named none (Limits.max_prefill_chunk), on these options and `devices` (for the engine `manifest`); None:
+        the engine's limit."""
         return None
 
     @abstractmethod
@@ -54,8 +61,10 @@ class EngineSession(ABC):
         return self.pool_device
 
     def on_device(self, output: str) -> bool:
-        """Whether `output` may stay a torch tensor on the session's device (new rows, and keep_on_device)."""
-        return output.startswith(NEW_PREFIX) or output in self.keep_on_device
+        """Whether `output` may stay a torch tensor on the session's device (new rows, what tokens are decided from,
+        and keep_on_device)."""
+        return output.startswith(NEW_PREFIX) or output in self.keep_on_device or (
+            self.pool_device is not None and output in SAMPLED)
 
 
 def checked_outputs(session: EngineSession, feeds: dict[str, np.ndarray], outputs: dict[str, np.ndarray],

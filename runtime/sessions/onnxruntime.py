@@ -38,6 +38,12 @@ on the device for the CUDA provider and the pool writes them there (runtime/pool
 come to the host. The option `device_pools=True` runs the same binding path on the CPU provider with torch CPU
 tensors (how it is tested without a GPU).
 
+Engines built for the CUDA provider (v4build --device cuda: engine.json `build.compile.device`) run there by
+default and nowhere else: their graphs hold kernels only the CUDA provider has (QMoE's fp4 path, the FP8 MatMul,
+bf16 throughout), so a CPU provider first is refused in one line, as is an ONNX Runtime without the CUDA provider.
+Their sessions leave every DequantizeLinear of a constant unfolded (no session.disable_quant_qdq): the FP8 experts
+are widened by one on the device at each call, never on the host at load.
+
 CUDA graphs. An engine built with --cuda-graphs runs its verify and draft-cycle calls on the CUDA provider as
 recorded CUDA graphs (contract/calls.py): the provider is made with `enable_cuda_graph`, each bucket of static
 shapes gets an IOBinding over buffers allocated once and a graph id of its own (the run option `gpu_graph_id`,
@@ -178,16 +184,30 @@ class Placement:
     recording: bool
 
 
+def built_for(manifest: EngineManifest) -> str:
+    """What an ONNX Runtime engine was built for: "cpu", or "cuda" (v4build --device cuda)."""
+    compiled = manifest.compiled
+    return compiled.device if isinstance(compiled, OnnxRuntimeCompiled) else "cpu"
+
+
 def placement(folder: EngineFolder, manifest: EngineManifest, options: OnnxRuntimeSessionOptions, device: int | None
               ) -> Placement:
     """The options resolved against the engine and this ONNX Runtime (the module doc says how)."""
-    providers = list(options.providers or ["CPUExecutionProvider"])
+    cuda_engine = built_for(manifest) == "cuda"
+    default = ["CUDAExecutionProvider"] if cuda_engine else ["CPUExecutionProvider"]
+    providers = list(options.providers or default)
     if device is not None:
         providers = providers_on(list(options.providers or ["CUDAExecutionProvider", "CPUExecutionProvider"]), device)
     compiled = manifest.compiled
     captured = compiled.cuda_graphs if isinstance(compiled, OnnxRuntimeCompiled) else ()
     gpu = _device_of(providers)
     available = ort.get_available_providers()
+    if cuda_engine and (gpu is None or gpu[0] != "CUDAExecutionProvider" or gpu[0] not in available):
+        runs = providers[0] if isinstance(providers[0], str) else providers[0][0]
+        why = "this ONNX Runtime has no CUDAExecutionProvider (install onnxruntime-gpu)" \
+            if "CUDAExecutionProvider" not in available else f"it was opened on {runs}"
+        raise EngineFormatError(f"{folder.directory}: built for ONNX Runtime's CUDA provider (v4build --device cuda) "
+                                f"and runs nowhere else, but {why}; rebuild without --device cuda to run on the CPU")
     if device is not None and gpu is not None and gpu[0] not in available:   # not quietly the CPU instead
         raise RequestError(f"devices: GPU {device} was asked for, but this ONNX Runtime has no {gpu[0]} (its "
                            f"providers: {', '.join(available)}); leave devices out to run on the CPU")
@@ -200,12 +220,15 @@ def placement(folder: EngineFolder, manifest: EngineManifest, options: OnnxRunti
 
 
 def session_options(files: dict[str, np.ndarray], threads: int | None, alternating: bool, load_check: bool,
-                    kernels: Path | None = None, memory_pattern: bool = True) -> ort.SessionOptions:
+                    kernels: Path | None = None, memory_pattern: bool = True, fold_quantized: bool = True
+                    ) -> ort.SessionOptions:
     """ONNX Runtime's options for one session: threads (the module doc), the load check's or a run's graph
     optimizations, the weight files (location -> bytes: memory maps, widened weights) used in place, v4engine's
     kernel library where the graph uses it (stored_weights.py), and whether ONNX Runtime plans each call's memory
     as one block by the inputs' shapes (`memory_pattern`; off on the CPU: a decode's shapes change with every token,
-    and the plans and blocks kept for them held 8 MiB more on the slice after four prompts, at the same speed)."""
+    and the plans and blocks kept for them held 8 MiB more on the slice after four prompts, at the same speed), and
+    whether it folds the DequantizeLinear of constant weights at load (`fold_quantized`; not for engines built for
+    CUDA, whose experts' DequantizeLinear widens them on the device at each call)."""
     options = ort.SessionOptions()
     options.enable_mem_pattern = memory_pattern
     if kernels is not None:
@@ -221,7 +244,7 @@ def session_options(files: dict[str, np.ndarray], threads: int | None, alternati
     if load_check:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         options.add_session_config_entry("session.disable_prepacking", "1")
-    else:   # fold DequantizeLinear of FP8/FP4 weights once at load instead of dequantizing them every call
+    elif fold_quantized:    # fold DequantizeLinear of FP8/FP4 weights once at load, not dequantize them every call
         options.add_session_config_entry("session.disable_quant_qdq", "1")
     if files:       # used in place, not copied: they live as long as the session (self._weights, self._widened)
         options.add_session_config_entry("session.use_external_initializer_file_buffers_directly", "1")
@@ -256,11 +279,14 @@ class OnnxRuntimeSession(EngineSession):
         share_thread_pool(options.threads)
 
     @classmethod
-    def prefill_chunk(cls, options: OnnxRuntimeSessionOptions, devices: object) -> int | None:
+    def prefill_chunk(cls, options: OnnxRuntimeSessionOptions, devices: object,
+                      manifest: EngineManifest | None = None) -> int | None:
         """CPU_PREFILL_CHUNK on the CPU provider: ONNX Runtime's arena keeps what the largest call needed, and a
         512-token chunk needs more for as good as no speed (4,000 prompt tokens: 4.5 s against 4.2 on the slice,
         0.97 s against 1.04 on tiny-v4; 15-25% less memory kept after them)."""
-        on_cpu = devices is None and _device_of(list(options.providers or ["CPUExecutionProvider"])) is None
+        cuda_engine = manifest is not None and built_for(manifest) == "cuda"
+        on_cpu = devices is None and not cuda_engine and \
+            _device_of(list(options.providers or ["CPUExecutionProvider"])) is None
         return CPU_PREFILL_CHUNK if on_cpu else None
 
     def __init__(self, engine_dir: str | Path, manifest: EngineManifest, graph: str, device: int | None = None,
@@ -298,8 +324,8 @@ class OnnxRuntimeSession(EngineSession):
                         files, options.threads, alternating, load_check), folder.directory / entry.file)
                 files = {**weights.maps, **widened.buffers}
                 self._session = self._load(widened.model, session_options(
-                    files, options.threads, alternating, load_check, kernels, memory_pattern=place.gpu is not None),
-                    place.providers, folder.directory / entry.file)
+                    files, options.threads, alternating, load_check, kernels, memory_pattern=place.gpu is not None,
+                    fold_quantized=built_for(manifest) != "cuda"), place.providers, folder.directory / entry.file)
         except EngineFormatError:
             raise
         except Exception as e:      # noqa: BLE001 - ONNX Runtime's errors share no base class below Exception

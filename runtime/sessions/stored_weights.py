@@ -41,6 +41,7 @@ from onnx.external_data_helper import ExternalDataInfo
 
 from v4engine.contract.engine_folder import OpenedFile
 
+from .projections import attribute, graph_shapes, only_reader, projection
 from .widening import stored_nbytes
 
 DOMAIN = "v4engine.cpu"
@@ -134,7 +135,7 @@ def rewrite(model: ModelProto, files: Mapping[str, np.ndarray] | None = None, ex
         for name in node.input:
             readers.setdefault(name, []).append(node)
     inputs, outputs = {i.name for i in graph.input}, {o.name for o in graph.output}
-    shapes = _shapes(graph)
+    shapes = graph_shapes(graph)
     gone, added, done, codes, tables = set(), {}, Rewritten({}, 0), {}, set()
     for node in graph.node:
         sinkhorn = _sinkhorn(node)
@@ -162,14 +163,14 @@ def rewrite(model: ModelProto, files: Mapping[str, np.ndarray] | None = None, ex
         if weight is None or math.prod(initializers[weight].dims) < smallest \
                 or not _e4m3_kernel_reads(node, initializers, files or {}):
             continue
-        found = _projection(node.output[0], list(initializers[weight].dims), readers, outputs, shapes)
+        found = projection(node.output[0], list(initializers[weight].dims), readers, outputs, shapes)
         if found is None:
             continue
         chain, groups = found
         stored = initializers[weight]
         op, bytes_type = STORED[stored.data_type]
         x, y = chain[-1].input[0], chain[-1].output[0]
-        attributes = {"block_size": _attribute(node, "block_size")} if op == "E4m3MatMul" else {}
+        attributes = {"block_size": attribute(node, "block_size")} if op == "E4m3MatMul" else {}
         if groups > 1:
             attributes["groups"] = groups
         added[id(chain[-1])] = helper.make_node(op, [x, *node.input[: 2 if op == "E4m3MatMul" else 1]], [y],
@@ -180,7 +181,7 @@ def rewrite(model: ModelProto, files: Mapping[str, np.ndarray] | None = None, ex
         done.stored_bytes += stored_nbytes(stored)
     for node in graph.node:                  # the shapes of codes no longer made, as constants
         if node.op_type == "Shape" and node.domain in ("", "ai.onnx") and node.input[0] in codes:
-            start, end = _attribute(node, "start") or 0, _attribute(node, "end")
+            start, end = attribute(node, "start") or 0, attribute(node, "end")
             shape = np.array(codes[node.input[0]][start:end], np.int64)
             added[id(node)] = helper.make_node("Constant", [], list(node.output), name=f"{node.output[0]}.stored",
                                                value=numpy_helper.from_array(shape))
@@ -252,7 +253,7 @@ def _stored_table(node: NodeProto, initializers: dict[str, TensorProto], readers
     bf16 table of a file in `opened` (its length its dims', not a graph output), of at least `smallest` values, that
     nothing but Gathers on axis 0 reads."""
     if (node.domain, node.op_type) not in (("", "Gather"), ("ai.onnx", "Gather")) or len(node.input) != 2 \
-            or (_attribute(node, "axis") or 0) != 0:
+            or (attribute(node, "axis") or 0) != 0:
         return None
     table = initializers.get(node.input[0])
     if table is None or table.name in outputs or table.data_location != TensorProto.EXTERNAL \
@@ -260,7 +261,7 @@ def _stored_table(node: NodeProto, initializers: dict[str, TensorProto], readers
             or math.prod(table.dims) < smallest:
         return None
     if any(r.op_type != "Gather" or r.input[0] != table.name or r.input[1] == table.name
-           or (_attribute(r, "axis") or 0) != 0 for r in readers[table.name]):
+           or (attribute(r, "axis") or 0) != 0 for r in readers[table.name]):
         return None
     entry = ExternalDataInfo(table)          # (read_graph checked where it points: contract/engine_folder.py)
     where = opened.get(entry.location)
@@ -269,8 +270,8 @@ def _stored_table(node: NodeProto, initializers: dict[str, TensorProto], readers
         return None             # (a length other than the dims': ONNX Runtime refuses that table, as it stays)
     replaced, output = [], node.output[0]
     if table.data_type == TensorProto.BFLOAT16:
-        cast = _only_reader(output, readers, outputs)
-        if cast is None or cast.op_type != "Cast" or _attribute(cast, "to") != TensorProto.FLOAT:
+        cast = only_reader(output, readers, outputs)
+        if cast is None or cast.op_type != "Cast" or attribute(cast, "to") != TensorProto.FLOAT:
             return None
         replaced, output = [cast], cast.output[0]
     rows = helper.make_node("StoredRows", [node.input[1]], [output], name=f"{output}.rows", domain=DOMAIN,
@@ -290,8 +291,8 @@ def _domains(model: ModelProto) -> set[str]:
             continue
         node = nodes.pop()
         found.add(node.domain)
-        for attribute in node.attribute:
-            graphs.extend([attribute.g] if attribute.type == attribute.GRAPH else attribute.graphs)
+        for attr in node.attribute:
+            graphs.extend([attr.g] if attr.type == attr.GRAPH else attr.graphs)
     return found
 
 
@@ -318,8 +319,8 @@ def _live(nodes: list[NodeProto], outputs: set[str]) -> list[NodeProto]:
 def _reads(node: NodeProto) -> set[str]:
     """The values `node` reads, its subgraphs' included."""
     names = {i for i in node.input if i}
-    for attribute in node.attribute:
-        for graph in [attribute.g] if attribute.type == attribute.GRAPH else attribute.graphs:
+    for attr in node.attribute:
+        for graph in [attr.g] if attr.type == attr.GRAPH else attr.graphs:
             for inner in graph.node:
                 names |= _reads(inner)
     return names
@@ -334,13 +335,13 @@ def _stored_weight(node: NodeProto, initializers: dict[str, TensorProto], reader
     if weight is None or weight.data_type not in STORED or len(weight.dims) != 2 or len(readers[weight.name]) != 1:
         return None
     if node.op_type == "Cast":
-        return weight.name if weight.data_type == TensorProto.BFLOAT16 and _attribute(node, "to") == TensorProto.FLOAT \
+        return weight.name if weight.data_type == TensorProto.BFLOAT16 and attribute(node, "to") == TensorProto.FLOAT \
             else None
     if node.op_type != "DequantizeLinear" or weight.data_type != TensorProto.FLOAT8E4M3FN or len(node.input) != 2:
         return None
     scale = initializers.get(node.input[1])
-    block = _attribute(node, "block_size")
-    if scale is None or scale.data_type != TensorProto.FLOAT or _attribute(node, "axis") not in (1, -1) or not block \
+    block = attribute(node, "block_size")
+    if scale is None or scale.data_type != TensorProto.FLOAT or attribute(node, "axis") not in (1, -1) or not block \
             or block % LANES \
             or list(scale.dims) != [weight.dims[0], -(-weight.dims[1] // block)]:
         return None
@@ -365,83 +366,6 @@ def _bytes(tensor: TensorProto, files: Mapping[str, np.ndarray]) -> np.ndarray:
     entry = ExternalDataInfo(tensor)
     start = entry.offset or 0
     return files[entry.location][start:start + entry.length]
-
-
-def _projection(widened: str, dims: list[int], readers: dict[str, list[NodeProto]], outputs: set[str],
-                shapes: Shapes) -> tuple[list[NodeProto], int] | None:
-    """The nodes that multiply by the widened weight [N, K] as X W^T, the product last, and the number of groups:
-    [Transpose, MatMul] or [Gemm] (one group); [Reshape to [G, N / G, K], Transpose of the last two, MatMul of an X
-    of rank 2 or 3] (G groups: V4's wo_a, a [N / G, K] weight per group); None for any other use."""
-    user = _only_reader(widened, readers, outputs)
-    if user is None:
-        return None
-    if user.op_type == "Gemm":
-        plain = (len(user.input) == 2 or not user.input[2]) and user.input[1] == widened and user.input[0] != widened
-        ok = plain and _attribute(user, "transB") == 1 and not _attribute(user, "transA") \
-            and _attribute(user, "alpha") in (None, 1.0)
-        return ([user], 1) if ok else None
-    chain, groups, perm = [], 1, (None, [1, 0])
-    if user.op_type == "Reshape" and user.input[0] == widened:
-        shape = shapes.values.get(user.input[1]) if len(user.input) == 2 else None
-        if shape is None or len(shape) != 3 or shape[0] <= 0 or shape[1] <= 0 or shape[0] * shape[1] != dims[0] \
-                or shape[2] not in (dims[1], -1):
-            return None
-        chain, groups, perm = [user], int(shape[0]), ([0, 2, 1],)
-        user = _only_reader(user.output[0], readers, outputs)
-    if user is None or user.op_type != "Transpose" or _attribute(user, "perm") not in perm:
-        return None
-    product = _only_reader(user.output[0], readers, outputs)
-    if product is None or product.op_type != "MatMul" \
-            or list(product.input) != [product.input[0], user.output[0]] or product.input[0] == user.output[0]:
-        return None
-    if groups > 1 and shapes.ranks.get(product.input[0]) not in (2, 3):     # the kernel's grouped X (stored_weights.cc)
-        return None
-    return [*chain, user, product], groups
-
-
-def _only_reader(name: str, readers: dict[str, list[NodeProto]], outputs: set[str]) -> NodeProto | None:
-    """The one standard node reading `name`, where nothing else (nor the graph's caller) does."""
-    users = readers.get(name, [])
-    if name in outputs or len(users) != 1 or users[0].domain not in ("", "ai.onnx"):
-        return None
-    return users[0]
-
-
-@dataclass
-class Shapes:
-    """What a graph says of its values' shapes: the values of 1-D int64 constants (initializers, Constant nodes and
-    Concats of them: a Reshape's target) and the ranks of values (value_info, or a Transpose's perm)."""
-
-    values: dict[str, list[int]]
-    ranks: dict[str, int]
-
-
-def _shapes(graph) -> Shapes:
-    values = {t.name: numpy_helper.to_array(t).tolist() for t in graph.initializer
-              if t.data_location != TensorProto.EXTERNAL and t.data_type == TensorProto.INT64 and len(t.dims) == 1}
-    ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in (*graph.input, *graph.value_info)
-             if v.type.tensor_type.HasField("shape")}
-    for node in graph.node:
-        if node.domain not in ("", "ai.onnx"):
-            continue
-        if node.op_type == "Constant" and len(node.attribute) == 1:
-            kind, value = node.attribute[0].name, helper.get_attribute_value(node.attribute[0])
-            if kind == "value_ints":
-                values[node.output[0]] = list(value)
-            elif kind == "value" and value.data_type == TensorProto.INT64 and len(value.dims) == 1:
-                values[node.output[0]] = numpy_helper.to_array(value).tolist()
-        elif node.op_type == "Concat" and node.input and all(i in values for i in node.input):
-            values[node.output[0]] = [v for i in node.input for v in values[i]]
-        elif node.op_type == "Transpose" and _attribute(node, "perm") is not None:
-            ranks.setdefault(node.output[0], len(_attribute(node, "perm")))
-    return Shapes(values, ranks)
-
-
-def _attribute(node: NodeProto, name: str):
-    for a in node.attribute:
-        if a.name == name:
-            return helper.get_attribute_value(a)
-    return None
 
 
 _warned = False

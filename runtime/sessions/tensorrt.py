@@ -9,6 +9,14 @@ order), each input's shape and address are set, the outputs are allocated at the
 the inputs, the engine is enqueued on the session's stream, and the outputs other than new rows come back as
 numpy arrays (bf16 as ml_dtypes' bfloat16), so fp32, fp16 and bf16 engines all run.
 
+A stripped plan (engine.json `plans.{graph}.stripped`: built with STRIP_PLAN, the build's way since plans held every
+weight) is refitted as it loads, from the graph's own weights: the graph's checked bytes go to TensorRT's ONNX
+refitter (`OnnxParserRefitter.load_model_proto`, TensorRT 10.13+) and every initializer held in a weight file goes as
+a pointer into the engine folder's checked memory maps of the checkpoint's own files (`load_initializer`), then
+`refit_cuda_engine`; nothing is read through a path TensorRT opens itself, and no weight is copied on the host.
+A refit that leaves any weight missing is refused in one line naming it. The plan holds one optimization profile
+(`plan_profiles`); the calls' own profiles give the CUDA graphs' buckets.
+
 The attention, indexer and compressor plugins run their ahead-of-time kernels (the builder marks those nodes
 `aot=1`); the routed experts' plugin runs just in time (its kernels' torch launcher), so loading an engine with a
 MoE needs the plugins registered in this process: `register_plugins` runs before every load.
@@ -38,7 +46,7 @@ from v4engine.contract.backends import TensorRTCompiled
 from v4engine.contract.buckets import Bucket
 from v4engine.contract.calls import captured_buckets
 from v4engine.contract.engine import EngineManifest
-from v4engine.contract.engine_folder import EngineFolder, EngineFormatError
+from v4engine.contract.engine_folder import EngineFolder, EngineFormatError, read_graph
 from v4engine.contract.errors import V4EngineError
 from v4engine.contract.profiles import choose_profile
 
@@ -86,24 +94,26 @@ class TensorRTSession(EngineSession):
                                     "v4build --backend tensorrt on a machine with TensorRT")
         self._torch, self._device = torch, torch.device("cuda", torch.cuda.current_device() if device is None else device)
         self.pool_device = str(self._device)
-        self._profiles = compiled.profiles[graph]
-        plan = compiled.plans[graph].plan
-        data = folder.read_bytes(plan, f"build.compile.plans.{graph}.plan", "compiled")
+        self._profiles = compiled.in_plan(graph)
+        built = compiled.plans[graph]
+        data = folder.read_bytes(built.plan, f"build.compile.plans.{graph}.plan", "compiled")
         self._logger = trt.Logger(trt.Logger.WARNING)
         with torch.cuda.device(self._device):      # an engine lives on the device current when it is deserialized
             self._runtime = trt.Runtime(self._logger)
             self._engine = self._runtime.deserialize_cuda_engine(data)
             if self._engine is None:
-                raise EngineFormatError(f"{engine_dir / plan}: TensorRT could not load this engine "
+                raise EngineFormatError(f"{engine_dir / built.plan}: TensorRT could not load this engine "
                                         "(built by another TensorRT version or for another GPU?)")
+            if built.stripped:
+                refit_from_weight_files(trt, self._engine, self._logger, folder, manifest, graph)
             self._context = self._engine.create_execution_context()
         self._stream = torch.cuda.Stream(self._device)
         self._active: int | None = None
         entry = manifest.graphs[graph]
         self.inputs, self.outputs = entry.inputs, entry.outputs
-        self._trt, self._plan, self._scratch = trt, engine_dir / plan, None
+        self._trt, self._plan, self._scratch = trt, engine_dir / built.plan, None
         self._captured: StaticCalls | None = None
-        buckets = captured_buckets(self._profiles, compiled.cuda_graphs, self.inputs)
+        buckets = captured_buckets(compiled.profiles[graph], compiled.cuda_graphs, self.inputs)
         if buckets:                             # (a graph without a recorded profile runs as before)
             self._captured = StaticCalls(torch, self._device, buckets, self.inputs, self.outputs,
                                            manifest.layout_of(graph), self._capture, self.on_device)
@@ -159,9 +169,10 @@ class TensorRTSession(EngineSession):
             self._graph_pool = torch.cuda.graph_pool_handle()
         context = self._engine.create_execution_context(trt.ExecutionContextAllocationStrategy.USER_MANAGED)
         context.set_device_memory(self._scratch.data_ptr(), self._scratch.numel())
-        profile = bucket.name.split(".", 1)[0]           # buckets are named {profile}.b{batch}...
-        if not context.set_optimization_profile_async([p.name for p in self._profiles].index(profile), stream):
-            raise V4EngineError(f"TensorRT refused profile {profile} for bucket {bucket.name}")
+        shapes = {name: tuple(tensor.shape) for name, tensor in inputs.items()}
+        index = choose_profile(self._profiles, shapes)   # the plan's profile holding the bucket's shapes
+        if not context.set_optimization_profile_async(index, stream):
+            raise V4EngineError(f"TensorRT refused profile {self._profiles[index].name} for bucket {bucket.name}")
         for name, tensor in inputs.items():
             if not context.set_input_shape(name, tuple(tensor.shape)):
                 raise V4EngineError(f"TensorRT refused shape {tuple(tensor.shape)} for input '{name}' of bucket "
@@ -181,6 +192,53 @@ class TensorRTSession(EngineSession):
             if not context.execute_async_v3(stream):
                 raise V4EngineError(f"TensorRT failed to record bucket {bucket.name} as a CUDA graph")
         return RecordedEnqueue(context, graph)
+
+
+def refit_from_weight_files(trt: Any, engine: Any, logger: Any, folder: EngineFolder, manifest: EngineManifest,
+                            graph: str) -> None:
+    """Give a stripped plan its weights (the module doc): TensorRT's ONNX refitter reads the graph's checked bytes,
+    and every initializer of the weight files from the engine folder's checked memory maps, in place."""
+    entry = manifest.graphs[graph]
+    weights = folder.map_weights(manifest.weights)
+    model = read_graph(folder, entry, weights)
+    refitter = trt.Refitter(engine, logger)
+    parser = trt.OnnxParserRefitter(refitter, logger)
+    where = folder.directory / entry.file
+    if not parser.load_model_proto(model, str(folder.directory)):
+        raise EngineFormatError(f"{where}: TensorRT's ONNX refitter cannot read it ({_first_error(parser)})")
+    for name, view in weight_views(model, weights.maps):
+        if not parser.load_initializer(name, view.ctypes.data, view.nbytes):
+            raise EngineFormatError(f"{where}: TensorRT's ONNX refitter refused weight '{name}' "
+                                    f"({_first_error(parser)})")
+    if not parser.refit_model_proto():
+        raise EngineFormatError(f"{where}: TensorRT could not refit its stripped plan from the weights "
+                                f"({_first_error(parser)})")
+    missing = list(refitter.get_missing_weights())
+    if missing:
+        raise EngineFormatError(f"{where}: the stripped plan still lacks {len(missing)} weight(s) after the refit, "
+                                f"'{missing[0]}' first; refused")
+    if not refitter.refit_cuda_engine():
+        raise EngineFormatError(f"{where}: TensorRT refused the refitted weights (built from other weights?)")
+    weights.release_pages()
+
+
+def weight_views(model: bytes, maps: dict[str, np.ndarray]) -> list[tuple[str, np.ndarray]]:
+    """(name, its bytes in place) for every initializer of the graph held in a weight file: the memory maps
+    read_graph checked it against."""
+    from onnx import ModelProto, TensorProto
+    from onnx.external_data_helper import ExternalDataInfo
+
+    views = []
+    for tensor in ModelProto.FromString(model).graph.initializer:
+        if tensor.data_location == TensorProto.EXTERNAL:
+            info = ExternalDataInfo(tensor)
+            start = info.offset or 0
+            views.append((tensor.name, maps[info.location][start:start + info.length]))
+    return views
+
+
+def _first_error(parser: Any) -> str:
+    return str(parser.get_error(0).desc()) if getattr(parser, "num_errors", 0) else "no error given"
 
 
 @dataclass(frozen=True)

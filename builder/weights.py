@@ -17,8 +17,9 @@ StackedExperts weight [E, out, in], which is the experts' own tensors as [1, out
     scale 2^(e-128), stacked per layer; ONNX Runtime folds that at load, so the engine folder holds no copy of any
     expert (builder/backends/onnxruntime.py runs them);
   - STORED_BYTES (TensorRT, whose plugin dequantizes inside its kernel; MIGraphX): the bytes in place as int8,
-    one Concat per layer (`…routed.w1.mxfp4` or `.fp8`), and fp32 scales beside them (`….mxfp4_scale`: 2^(e-127)
-    from the E8M0 bytes in place; `….fp8_scale`: the rows of the 128x128 grid, converted);
+    one Concat per layer (`…routed.w1.mxfp4` or `.fp8`), and their scales beside them (`….mxfp4_scale`: the E8M0
+    bytes in place, int8, which the kernels decode as 2^(e-127); `….fp8_scale`: the rows of the 128x128 grid,
+    converted to fp32);
   - PREPACKED (ONNX Runtime's CUDA provider, whose MoE kernels read one [E, ...] tensor per projection): each
     layer's experts written once, stacked, into the converted file in the layout its MoE takes, gate and up rows
     interleaved into fc1 (`prepacked_experts`): MXFP4 as QMoE's fp4 form (the e2m1 codes transposed to
@@ -248,7 +249,7 @@ def resident_form(treatment: str, backend: Backend, stored: int, elements: int, 
     if treatment == "fp4 in place + int8 codes":
         return "int8 codes + float32 scales, made at load", elements + elements // MXFP4_BLOCK * 4
     if treatment == "fp4 in place, bytes for the kernel":
-        return "as stored + float32 scales", elements // 2 + elements // MXFP4_BLOCK * 4
+        return "as stored", stored
     if treatment == "fp8 in place, bytes for the kernel":
         return "as stored + float32 scales", elements + -(-elements // FP8_BLOCK) * 4
     if treatment == "fp4 prepacked":
@@ -332,7 +333,8 @@ class _Attacher:
 
     def stored_bytes(self, out: str, infos: list[TensorInfo], shape: tuple[int, ...]) -> None:
         """Quantized experts [E, rows, cols] as their stored bytes, int8 `out.{fp8|mxfp4}` [E, rows, stored cols],
-        and fp32 scales `out.{fp8|mxfp4}_scale` [E, rows, blocks]: the bytes in place, one Concat each."""
+        and their scales `out.{fp8|mxfp4}_scale` [E, rows, blocks] (MXFP4: the E8M0 bytes, int8; FP8: fp32 rows of
+        the grid): the bytes in place, one Concat each."""
         fmt = infos[0].format
         suffix, (rows, cols) = STORED_FORMATS[fmt], shape[1:]
         packed, scales = [f"{out}.{e}.{suffix}" for e in range(len(infos))], []
@@ -345,12 +347,8 @@ class _Attacher:
                 self.initializers.append(_external(f"{name}.scale", TensorProto.FLOAT, grid.shape,
                                                    *self.writer.convert(grid)))
                 scales.append(f"{name}.scale")
-        self.nodes.append(helper.make_node("Concat", packed, [f"{out}.{suffix}"], axis=0))
-        if fmt == "mxfp4":
-            self.nodes.append(helper.make_node("Concat", scales, [f"{out}.e8m0"], axis=0))
-            self._powers_of_two(f"{out}.e8m0", f"{out}.mxfp4_scale", bias=127.0)
-        else:
-            self.nodes.append(helper.make_node("Concat", scales, [f"{out}.fp8_scale"], axis=0))
+        self.nodes += [helper.make_node("Concat", packed, [f"{out}.{suffix}"], axis=0),
+                       helper.make_node("Concat", scales, [f"{out}.{suffix}_scale"], axis=0)]
         self._account(expert_treatment(STORED_BYTES, fmt), infos, math.prod(shape), TensorProto.INT8)
 
     def int8_codes(self, out: str, experts: list[list[TensorInfo]], rows: int, cols: int) -> None:

@@ -43,6 +43,12 @@ def decode_fp8(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return values * scale.repeat_interleave(FP8_BLOCK, -1)[..., :values.shape[-1]]
 
 
+def e8m0_scales(data: torch.Tensor) -> torch.Tensor:
+    """E8M0 bytes (int8 or uint8) as their fp32 scales 2^(e-127) (e = 255, E8M0's NaN, gives inf; e = 0 the
+    subnormal 2^-127), as the graphs and kernels compute them."""
+    return torch.exp2(data.view(torch.uint8).float() - 127)
+
+
 def decode_mxfp4(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Packed e2m1 bytes [..., n/2] (int8 or uint8, low nibble first) and fp32 scales [..., n/32] -> fp32 [..., n]."""
     table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32, device=data.device)
@@ -95,8 +101,9 @@ def mxfp4_routed_experts(x: torch.Tensor, indices: torch.Tensor, weights: torch.
                          w1_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, w3: torch.Tensor,
                          w3_scale: torch.Tensor, *, limit: float) -> torch.Tensor:
     """v4::Mxfp4RoutedExperts: RoutedExperts with MXFP4 experts, w1, w3 [E, inter, D/2] and w2 [E, D, inter/2]
-    packed int8 bytes, their fp32 scales [E, rows, cols/32]."""
-    return _quantized(decode_mxfp4, x, indices, weights, w1, w1_scale, w2, w2_scale, w3, w3_scale, limit)
+    packed int8 bytes, their E8M0 scale bytes [E, rows, cols/32] (int8: 2^(e-127), as stored)."""
+    return _quantized(lambda w, s: decode_mxfp4(w, e8m0_scales(s)), x, indices, weights, w1, w1_scale, w2, w2_scale,
+                      w3, w3_scale, limit)
 
 
 # --------------------------------------------------------------------------- ONNX functions (standard ops)
@@ -156,8 +163,11 @@ def DecodeFp8(data: INT8, scale: FLOAT, like: FLOAT) -> FLOAT:
 
 
 @script(V4, default_opset=op)
-def DecodeMxfp4(data: INT8, scale: FLOAT, like: FLOAT) -> FLOAT:
-    """Packed e2m1 bytes [..., n/2] (low nibble first) with their scales [..., n/32], in like's dtype."""
+def DecodeMxfp4(data: INT8, e8m0: INT8, like: FLOAT) -> FLOAT:
+    """Packed e2m1 bytes [..., n/2] (low nibble first) with their E8M0 scale bytes [..., n/32] (2^(e-127)), in
+    like's dtype."""
+    exponent = op.Cast(UnsignedBytes(e8m0), to=FLOAT.dtype) - op.Constant(value_float=127.0)
+    scale = op.Pow(op.Constant(value_float=2.0), exponent)
     byte = UnsignedBytes(data)
     sixteen = op.CastLike(16, byte)
     codes = op.Concat(op.Unsqueeze(op.Mod(byte, sixteen), [-1]), op.Unsqueeze(op.Div(byte, sixteen), [-1]),
@@ -179,8 +189,8 @@ def Fp8RoutedExperts(x: FLOAT, indices: INT64, weights: FLOAT, w1: INT8, w1_scal
 
 
 @script(V4, default_opset=op)
-def Mxfp4RoutedExperts(x: FLOAT, indices: INT64, weights: FLOAT, w1: INT8, w1_scale: FLOAT, w2: INT8,
-                       w2_scale: FLOAT, w3: INT8, w3_scale: FLOAT, limit: float) -> FLOAT:
+def Mxfp4RoutedExperts(x: FLOAT, indices: INT64, weights: FLOAT, w1: INT8, w1_scale: INT8, w2: INT8,
+                       w2_scale: INT8, w3: INT8, w3_scale: INT8, limit: float) -> FLOAT:
     g1 = DecodeMxfp4(op.Gather(w1, indices, axis=0), op.Gather(w1_scale, indices, axis=0), x)
     g2 = DecodeMxfp4(op.Gather(w2, indices, axis=0), op.Gather(w2_scale, indices, axis=0), x)
     g3 = DecodeMxfp4(op.Gather(w3, indices, axis=0), op.Gather(w3_scale, indices, axis=0), x)
@@ -192,5 +202,5 @@ PLUGIN_FUNCTIONS = (RoutedExperts, Fp8RoutedExperts, Mxfp4RoutedExperts)
 HELPER_FUNCTIONS = (ApplyExperts, UnsignedBytes, ScaledBlocks, DecodeFp8, DecodeMxfp4)
 
 __all__ = ["NAME", "E2M1_VALUES", "FP8_BLOCK", "MXFP4_BLOCK", "RoutedExperts", "routed_experts",
-           "fp8_routed_experts", "mxfp4_routed_experts", "decode_fp8", "decode_mxfp4", "swiglu",
+           "fp8_routed_experts", "mxfp4_routed_experts", "decode_fp8", "decode_mxfp4", "e8m0_scales", "swiglu",
            "QUANTIZED_FUNCTIONS", "PLUGIN_FUNCTIONS", "HELPER_FUNCTIONS"]

@@ -15,8 +15,8 @@ What it does and writes (first_tokens.json and first_tokens.md under --out, the 
 3. Placement, ONNX Runtime's own report: each CUDA graph loaded with the provider recording CUDA graphs, its
    verbose log captured: the nodes it placed per provider, against the build's model of it (the host nodes must
    be the shape arithmetic the build predicted: builder/backends/onnxruntime_cuda.py `placement`).
-4. Greedy tokens, 8 prompts x --new-tokens, at batch 8: MTP 0, MTP 3 and DSpark 5 on the GPU against the CPU fp32
-   engine's. Expected from bf16: the same tokens until a near-tie of the fp32 logits, which bf16 rounding can flip
+4. Greedy tokens, 8 prompts x --new-tokens, at batch 8: MTP 0 (the MTP 3 engine drafting nothing), MTP 3 and
+   DSpark 5 on the GPU against the CPU fp32 engine's. Expected from bf16: the same tokens until a near-tie of the fp32 logits, which bf16 rounding can flip
    (the CUDA variant's logits are within 0.6% of fp32's on tiny-v4 in the CPU check, tests/test_onnxruntime_cuda.py),
    after which a continuation diverges: most continuations equal, all sharing their first tokens. Reported: the
    continuations equal, and the mean length of the common prefix.
@@ -28,8 +28,9 @@ What it does and writes (first_tokens.json and first_tokens.md under --out, the 
 
 --dry-run, on a machine without a GPU (tests/test_gpu_first_tokens.py): the same steps where a CPU can take them:
 the builds (or --engines KEY=DIR), the placement model, greedy tokens of the CPU engines with tokens decided on the
-host against decided by the device sampler on torch CPU tensors (device_pools: the path a GPU session takes),
-CPU timings at batch 1, torch eager on the CPU, and the report.
+host against decided by the device sampler on torch CPU tensors (device_pools: the path a GPU session takes;
+DSpark's confidence scheduling off, whose cost profile would take most of the run), CPU timings at batch 1, torch
+eager on the CPU, and the report.
 """
 from __future__ import annotations
 
@@ -141,18 +142,22 @@ def _stderr_to(file: Any):
 
 
 # ---------------------------------------------------------------------- generation
-def generator(engine: Path, mtp: int, options: dict | None = None) -> Any:
+def generator(engine: Path, mtp: int, options: dict | None = None, scheduling: bool = True) -> Any:
+    """A generator of the engine as a user opens one (`scheduling` False: DSpark's confidence scheduling off, which
+    the dry run skips: its cost profile takes seconds a generator on a CPU)."""
     from v4engine.runtime.budget import Limits
     from v4engine.runtime.generator import Generator
 
     return Generator.from_engine_dir(engine, mtp=mtp, backend_options=options, limits=Limits(max_batch=8),
-                                     own_process=True)
+                                     own_process=True, confidence_scheduling=None if scheduling else False)
 
 
-def greedy(gen: Any, new_tokens: int) -> list[list[int]]:
+def greedy(gen: Any, new_tokens: int, drafts: int | None) -> list[list[int]]:
+    """Greedy continuations of PROMPTS at batch 8 (`drafts`: draft tokens per step; 0: MTP 0 on the same engine)."""
     from v4engine.runtime.sampling import SamplingParams
 
-    return [r.token_ids for r in gen.generate(PROMPTS, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))]
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, num_draft_tokens=drafts)
+    return [r.token_ids for r in gen.generate(PROMPTS, params)]
 
 
 def agreement(got: list[list[int]], want: list[list[int]]) -> dict[str, Any]:
@@ -162,10 +167,10 @@ def agreement(got: list[list[int]], want: list[list[int]]) -> dict[str, Any]:
             "mean_common_prefix": sum(common) / len(common), "length": len(want[0])}
 
 
-def tokens_per_second(gen: Any, batch: int, new_tokens: int) -> float:
+def tokens_per_second(gen: Any, batch: int, new_tokens: int, drafts: int | None) -> float:
     from v4engine.runtime.sampling import SamplingParams
 
-    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, num_draft_tokens=drafts)
     gen.generate(PROMPTS[:batch], params)                                  # warm-up: sessions, buckets, graphs
     started = time.perf_counter()
     results = gen.generate(PROMPTS[:batch], params)
@@ -201,21 +206,22 @@ def eager_tokens_per_second(checkpoint: Path, batch: int, new_tokens: int, devic
     return run() / (time.perf_counter() - started)
 
 
-def graph_launches(gen: Any) -> dict[str, int]:
+def graph_launches(gen: Any, drafts: int | None) -> dict[str, int]:
     """cudaGraphLaunch calls against the engine calls recorded as CUDA graphs, over a few decode steps."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     from v4engine.runtime.sampling import SamplingParams
 
-    gen.generate(PROMPTS[:1], SamplingParams(max_new_tokens=8, ignore_eos=True))       # buckets recorded
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True, num_draft_tokens=drafts)
+    gen.generate(PROMPTS[:1], params)                                                   # buckets recorded
     calls: dict[str, int] = {}
     engine_calls = gen.scheduler.calls
     engine_calls.on_call, kept = (lambda kind, shape, seconds: calls.__setitem__(kind, calls.get(kind, 0) + 1)), \
         engine_calls.on_call
     try:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            gen.generate(PROMPTS[:1], SamplingParams(max_new_tokens=8, ignore_eos=True))
+            gen.generate(PROMPTS[:1], params)
             torch.cuda.synchronize()
     finally:
         engine_calls.on_call = kept
@@ -245,19 +251,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     engines = build(args.work, dict(args.engines))
     report["build_seconds"] = round(time.perf_counter() - started, 1)
     report["placement"] = {key: placement(engines[key], on_gpu) for key in ENGINES if key.endswith("cuda")}
-    cases = {"MTP 0": ("tiny-v4", 0), "MTP 3": ("tiny-v4", 3), "DSpark 5": ("tiny-v4-dspark", 5)}
+    cases = {"MTP 0": ("tiny-v4", 0), "MTP 3": ("tiny-v4", None), "DSpark 5": ("tiny-v4-dspark", None)}
     report["greedy"], report["speed"], report["launches"] = {}, {}, {}
-    for case, (name, mtp) in cases.items():
-        reference = greedy(generator(engines[f"{name}-cpu"], mtp), args.new_tokens)
-        if on_gpu:
-            gen = generator(engines[f"{name}-cuda"], mtp)
-        else:       # the device path's sampler and bindings on the CPU, against the host's
-            gen = generator(engines[f"{name}-cpu"], mtp, {"device_pools": True})
-        report["greedy"][case] = agreement(greedy(gen, args.new_tokens), reference)
-        report["speed"][case] = {f"batch {b}": round(tokens_per_second(gen, b, args.new_tokens), 1)
+    opened: dict[str, tuple[Any, Any]] = {}          # an engine's generators, MTP 0 on the MTP 3 engine's
+    for case, (name, drafts) in cases.items():
+        if name not in opened:
+            checkpoint_mtp = CHECKPOINTS[name][1]
+            reference = generator(engines[f"{name}-cpu"], checkpoint_mtp, scheduling=on_gpu)
+            # on the GPU its CUDA engine; dry, the CPU engine again with the device path's sampler and bindings
+            device = generator(engines[f"{name}-cuda"], checkpoint_mtp) if on_gpu else \
+                generator(engines[f"{name}-cpu"], checkpoint_mtp, {"device_pools": True}, scheduling=False)
+            opened[name] = (reference, device)
+        reference, gen = opened[name]
+        report["greedy"][case] = agreement(greedy(gen, args.new_tokens, drafts),
+                                           greedy(reference, args.new_tokens, drafts))
+        report["speed"][case] = {f"batch {b}": round(tokens_per_second(gen, b, args.new_tokens, drafts), 1)
                                  for b in ((1, 8) if on_gpu else (1,))}
         if on_gpu:
-            report["launches"][case] = graph_launches(gen)
+            report["launches"][case] = graph_launches(gen, drafts)
     device = "cuda" if on_gpu else "cpu"
     report["speed"]["torch eager"] = {f"batch {b}": round(eager_tokens_per_second(
         CHECKPOINTS["tiny-v4"][0], b, args.new_tokens, device), 1) for b in ((1, 8) if on_gpu else (1,))}

@@ -9,7 +9,8 @@ half-empty window, no closed row) and one at the end of the context. The referen
 
 The routed experts (routed_experts_float, _fp8, _mxfp4): each of B x S tokens picks k distinct experts (the first
 token all of its picks masked, -1), weights as the format stores them: the activation dtype, FP8 e4m3 bytes (no NaN
-code) or packed MXFP4 codes, with power-of-two fp32 scales; the reference gets them dequantized.
+code) or packed MXFP4 codes, with power-of-two scales (fp32 for FP8, E8M0 bytes for MXFP4, as the kernels take
+them); the reference gets them dequantized.
 
 Verdict, by the activation dtype: max |kernel - reference| <= 1e-4 for fp32, max |kernel - reference| / max
 |reference| <= 1e-2 for bf16; row ids exactly. The indexer: integer-valued fp32 inputs (exact sums) must give exactly the
@@ -107,7 +108,8 @@ def dequantized(stored: torch.Tensor, scale: torch.Tensor, weight_format: str) -
     codes = torch.stack([stored & 15, stored >> 4], dim=-1).flatten(-2).long()
     table = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], device=stored.device)
     values = table[codes & 7] * (1 - 2 * (codes >> 3)).float()
-    return values * scale.repeat_interleave(32, dim=-1)[..., : values.shape[-1]]
+    factors = torch.exp2(scale.view(torch.uint8).float() - 127)                 # E8M0 bytes
+    return values * factors.repeat_interleave(32, dim=-1)[..., : values.shape[-1]]
 
 
 # --------------------------------------------------------------------------- inputs shaped like the model's
@@ -252,7 +254,9 @@ def _moe_inputs(weight_format: str, z: SimpleNamespace, T: int, draw: Draw) -> d
             inputs[f"{name}_scale"] = torch.ones(1, device=draw.device)
         else:
             block, low = (128, -12) if weight_format == "fp8" else (32, -7)
-            inputs[f"{name}_scale"] = torch.exp2(draw.ints(low, low + 4, E, N, -(-K // block)).float())
+            exponents = draw.ints(low, low + 4, E, N, -(-K // block))
+            inputs[f"{name}_scale"] = torch.exp2(exponents.float()) if weight_format == "fp8" else \
+                (exponents + 127).to(torch.uint8)                       # MXFP4: E8M0 bytes, as stored
     return inputs
 
 

@@ -42,7 +42,7 @@ def fp8(w):
 
 
 def mxfp4(w):
-    """MXFP4 weights as the kernel takes them (packed codes, fp32 scale per 32 inputs) and their float values."""
+    """MXFP4 weights as the kernel takes them (packed codes, an E8M0 byte per 32 inputs) and their float values."""
     stored, scales, values = [], [], []
     table = torch.tensor(E2M1_VALUES)
     for expert in w:
@@ -51,7 +51,7 @@ def mxfp4(w):
         scale = torch.exp2(e8m0.view(torch.uint8).float() - 127)
         magnitude = table[codes & 7] * torch.where(codes & 8 > 0, -1.0, 1.0)
         stored.append(packed.view(torch.uint8))
-        scales.append(scale)
+        scales.append(e8m0.view(torch.uint8))
         values.append(magnitude * scale.repeat_interleave(MXFP4_BLOCK, 1))
     return torch.stack(stored), torch.stack(scales), torch.stack(values)
 

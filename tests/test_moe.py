@@ -16,8 +16,8 @@ from v4engine.builder.model.v4 import MoE
 from v4engine.builder.tiny import TINY_CONFIGS
 from v4engine.contract.config import V4Config
 from v4engine.contract.engine import EngineManifest
-from v4engine.plugins.moe import (decode_fp8, decode_mxfp4, fp8_routed_experts, mxfp4_routed_experts, routed_experts,
-                                  swiglu)
+from v4engine.plugins.moe import (decode_fp8, decode_mxfp4, e8m0_scales, fp8_routed_experts, mxfp4_routed_experts,
+                                  routed_experts, swiglu)
 from v4engine.runtime import Generator, SamplingParams
 from v4engine.runtime.sessions.onnxruntime import QMOE_GEMM
 from v4engine.testkit.oracle import oracle_accepted_counts
@@ -93,14 +93,15 @@ def test_stored_bytes_decode_exactly_in_the_onnx_functions():
     numbers = ~np.isnan(fp8)                                                # -0.0 too (a NaN's sign means nothing)
     np.testing.assert_array_equal(np.signbit(fp8[numbers]), np.signbit(decode_fp8(every, scale).numpy()[numbers]))
     assert np.isnan(fp8).sum() == 2 and fp8[0, 1] == 2.0 ** -9 * 2.0 ** -3           # NaN codes; a subnormal
-    scales = torch.exp2(torch.arange(16, dtype=torch.float32) - 8).reshape(1, 16)
-    (fp4,) = run_onnx("DecodeMxfp4", [every, scales, torch.zeros(1)], {}, [(torch.float32, 2)], plugin=False)
-    np.testing.assert_array_equal(fp4, decode_mxfp4(every, scales).numpy())
+    e8m0 = (torch.arange(16) + 127 - 8).to(torch.uint8).view(torch.int8).reshape(1, 16)        # 2^-8 .. 2^7
+    (fp4,) = run_onnx("DecodeMxfp4", [every, e8m0, torch.zeros(1)], {}, [(torch.float32, 2)], plugin=False)
+    np.testing.assert_array_equal(fp4, decode_mxfp4(every, e8m0_scales(e8m0)).numpy())
     assert (fp4[0, 2 * 0x71], fp4[0, 2 * 0x71 + 1]) == (0.5 * 0.5, 6.0 * 0.5)     # low nibble first; block 7
 
 
 def stored(w: torch.Tensor, quantize: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Experts [E, rows, cols] as the stored-bytes ops take them: int8 bytes and fp32 scales, a row each."""
+    """Experts [E, rows, cols] as the stored-bytes ops take them: int8 bytes and their scales (FP8: fp32 rows of the
+    grid; MXFP4: the E8M0 bytes, int8)."""
     parts = []
     for expert in w:
         if quantize == "fp8":
@@ -108,7 +109,7 @@ def stored(w: torch.Tensor, quantize: str) -> tuple[torch.Tensor, torch.Tensor]:
             parts.append((q.view(torch.int8), grid.float().repeat_interleave(128, 0)[: expert.shape[0]]))
         else:
             packed, e8m0 = quantize_mxfp4(expert)
-            parts.append((packed.view(torch.int8), e8m0.float()))
+            parts.append((packed.view(torch.int8), e8m0.view(torch.int8)))     # E8M0 bytes, as stored
     return torch.stack([p for p, _ in parts]), torch.stack([s for _, s in parts])
 
 
@@ -122,7 +123,7 @@ def test_stored_bytes_functions_equal_their_reference(gen, quantize, reference):
     name = "Fp8RoutedExperts" if quantize == "fp8" else "Mxfp4RoutedExperts"
     (got,) = run_onnx(name, inputs, {"limit": LIMIT}, [(torch.float32, 2)])
     np.testing.assert_allclose(got, expected.numpy(), rtol=0, atol=1e-5)
-    decode = decode_fp8 if quantize == "fp8" else decode_mxfp4
+    decode = decode_fp8 if quantize == "fp8" else lambda data, e8m0: decode_mxfp4(data, e8m0_scales(e8m0))
     dequantized = [decode(*stored(w, quantize)) for w in (w1, w2, w3)]
     torch.testing.assert_close(expected, routed_experts(x, indices, weights, *dequantized, limit=LIMIT),
                                rtol=0, atol=0)

@@ -41,7 +41,7 @@ from v4engine.contract.engine import EngineManifest
 from v4engine.contract.engine_folder import EngineFormatError
 from v4engine.contract.profiles import Profile, ProfileError, choose_profile
 from v4engine.plugins import AOT_OPS, DOMAIN, PLUGIN_OPS
-from v4engine.plugins.moe import decode_fp8, decode_mxfp4
+from v4engine.plugins.moe import decode_fp8, decode_mxfp4, e8m0_scales
 from v4engine.runtime.budget import Limits
 from v4engine.runtime.generator import Generator
 from v4engine.runtime.sampling import RequestError
@@ -142,6 +142,9 @@ def test_mxfp4_experts_stay_mxfp4_in_place(prepared):
     assert packed.data_type == onnx.TensorProto.INT8 and list(packed.dims) == [1, out, width // 2]
     assert in_place(packed) == (info.offset, info.nbytes), "the packed bytes, in place"
     assert in_place(inits["model.layers.3.ffn.routed.w2.5.mxfp4.e8m0"])[0] == info.scale.offset, "E8M0 too"
+    joined = next(n for n in nodes if n.output[0] == "model.layers.3.ffn.routed.w2.mxfp4_scale")
+    assert joined.op_type == "Concat" and "model.layers.3.ffn.routed.w2.5.mxfp4.e8m0" in joined.input, \
+        "the kernel reads the E8M0 bytes as stored (no float scales)"
     moe = next(n for n in nodes if n.op_type == "Mxfp4RoutedExperts" and "layers.3." in n.input[3])
     assert list(moe.input[3:]) == [f"model.layers.3.ffn.routed.{w}.mxfp4{part}" for w in ("w1", "w2", "w3")
                                    for part in ("", "_scale")]
@@ -190,8 +193,9 @@ def test_stored_experts_decode_to_the_checkpoint_values(prepared, quantize):
     graph = onnx.helper.make_graph(in_order, "weights", [], outputs, weights)
     sub = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 23)])
     stored, scales = ReferenceEvaluator(sub).run(None, {})
-    decode = decode_mxfp4 if quantize == "mxfp4" else decode_fp8
-    got = decode(torch.from_numpy(stored), torch.from_numpy(scales))
+    scales = torch.from_numpy(scales)
+    got = decode_mxfp4(torch.from_numpy(stored), e8m0_scales(scales)) if quantize == "mxfp4" else \
+        decode_fp8(torch.from_numpy(stored), scales)
     expected = torch.stack([ckpt.load(f"layers.3.ffn.experts.{e}.w1.weight") for e in range(8)])
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 

@@ -246,7 +246,7 @@ def stored_experts_graph(experts: int, dim: int, inter: int, k: int) -> onnx.Mod
         for w, (rows, cols) in (("w1", (inter, dim)), ("w2", (dim, inter)), ("w3", (inter, dim))):
             names += [f"{fmt}.{w}", f"{fmt}.{w}_scale"]
             inputs += [onnx.helper.make_tensor_value_info(f"{fmt}.{w}", T.INT8, [experts, rows, cols // per_byte]),
-                       onnx.helper.make_tensor_value_info(f"{fmt}.{w}_scale", T.FLOAT,
+                       onnx.helper.make_tensor_value_info(f"{fmt}.{w}_scale", T.FLOAT if fmt == "fp8" else T.INT8,
                                                           [experts, rows, -(-cols // block)])]
         op_type = "Fp8RoutedExperts" if fmt == "fp8" else "Mxfp4RoutedExperts"
         nodes.append(onnx.helper.make_node(op_type, ["x", "indices", "weights", *names], [f"{fmt}.out"],

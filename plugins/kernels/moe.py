@@ -18,7 +18,7 @@ Each expert's weights are read once per block of its tokens: at decode, once.
 
 Weight formats (FORMAT): FLOAT (stored in the activation dtype), FP8 (e4m3 bytes and an fp32 scale per 128
 inputs, one row per output row, as ONNX's blocked DequantizeLinear has it), MXFP4 (two e2m1 codes per byte, low
-nibble first, and an fp32 scale per 32 inputs). FP8 and FP4 values are decoded from their bits, then scaled:
+nibble first, and an E8M0 byte per 32 inputs, 2^(e-127): the checkpoint's own bytes, decoded in the kernel). FP8 and FP4 values are decoded from their bits, then scaled:
 exact in fp32 and in bf16 (no FP4 or FP8 tensor cores are needed: on Hopper this is W4A16/W8A16), so the dots take
 the activation dtype with fp32 accumulation (fp32 activations: an IEEE fp32 dot). Every pointer argument exists in
 every format; a FLOAT call passes one-element stand-ins as scales.
@@ -113,8 +113,11 @@ def _weight_tile(w, scale, e, rows, cols, N: tl.constexpr, K: tl.constexpr, FORM
         values = _e2m1(tl.where(cols[None, :] % 2 == 0, byte & 15, byte >> 4))
         block = 32
     blocks = (K + block - 1) // block
-    factor = tl.load(scale + (e * N + rows[:, None]).to(tl.int64) * blocks + cols[None, :] // block, mask=inside,
-                     other=0.0)
+    at = scale + (e * N + rows[:, None]).to(tl.int64) * blocks + cols[None, :] // block
+    if FORMAT == 1:
+        factor = tl.load(at, mask=inside, other=0.0)
+    else:                                                          # an E8M0 byte: 2^(e-127), from its bits
+        factor = tl.exp2(tl.load(at, mask=inside, other=127).to(tl.float32) - 127.0)
     return values * factor
 
 
@@ -211,7 +214,7 @@ def plan_routed_experts(dims: dict[str, Any], dtype: Any, *, experts: int, dim: 
     """RoutedExperts for T tokens (dims["T"]: an int or a shape expression) of `dtype`: group, up, down, sum."""
     fmt = FORMATS[weight_format]
     act, fp32 = pointer_type(dtype), pointer_type("float32")
-    stored, scale = (act, fp32) if fmt == FLOAT else ("*u8", fp32)
+    stored, scale = {FLOAT: (act, fp32), FP8: ("*u8", fp32), MXFP4: ("*u8", "*u8")}[fmt]
     T = dims["T"]
     blocks = max_blocks(T * k, experts)
     fp32_dot = act == fp32
@@ -243,7 +246,7 @@ def routed_experts(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor
                    weight_format: str = "float") -> torch.Tensor:
     """v4::RoutedExperts on torch tensors: x [T, D]; indices [T, k] int64; weights [T, k] fp32; w1, w3 [E, inter,
     D] and w2 [E, D, inter] as stored (FLOAT: x's dtype; fp8: e4m3 as uint8; mxfp4: packed uint8 [.., in/2]) with
-    their fp32 scales (w1, w2, w3 order) -> [T, D] fp32."""
+    their scales (w1, w2, w3 order: fp8 fp32, mxfp4 E8M0 bytes) -> [T, D] fp32."""
     T, D = x.shape
     k = indices.shape[1]
     experts, inter = w1.shape[0], w1.shape[1]
@@ -265,6 +268,8 @@ def routed_experts(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor
     indices, weights = indices.contiguous(), weights.float().contiguous()
     w1, w2, w3 = (w.contiguous().view(torch.uint8) if weight_format != "float" else w.contiguous()
                   for w in (w1, w2, w3))
+    if weight_format == "mxfp4":
+        scales = tuple(s.contiguous().view(torch.uint8) for s in scales)
     group, up, down, total = plans
     launch(group, [indices], [block_expert, order])
     launch(up, [x.contiguous(), weights, block_expert, order, w1, scales[0], w3, scales[2]], [hidden])
@@ -285,7 +290,7 @@ def mxfp4_routed_experts(x: torch.Tensor, indices: torch.Tensor, weights: torch.
                          w1_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, w3: torch.Tensor,
                          w3_scale: torch.Tensor, *, limit: float) -> torch.Tensor:
     """v4::Mxfp4RoutedExperts (plugins/moe.py) on torch tensors: routed_experts with packed e2m1 bytes and their
-    scales."""
+    E8M0 scale bytes."""
     return routed_experts(x, indices, weights, w1, w2, w3, limit=limit, scales=(w1_scale, w2_scale, w3_scale),
                           weight_format="mxfp4")
 

@@ -104,9 +104,9 @@ OPS: tuple[PluginOp, ...] = (
              lambda dims, dtypes, attrs: compressor_kernels.plan_csa_compress(dims, dtypes[0], **attrs)),
     PluginOp("RoutedExperts", moe.routed_experts, moe_kernels.routed_experts, shapes.ROUTED_EXPERTS, None),
     PluginOp("Fp8RoutedExperts", moe.fp8_routed_experts, moe_kernels.fp8_routed_experts,
-             shapes.QUANTIZED_ROUTED_EXPERTS, None),
+             shapes.FP8_ROUTED_EXPERTS, None),
     PluginOp("Mxfp4RoutedExperts", moe.mxfp4_routed_experts, moe_kernels.mxfp4_routed_experts,
-             shapes.QUANTIZED_ROUTED_EXPERTS, None),
+             shapes.MXFP4_ROUTED_EXPERTS, None),
 )
 
 

@@ -11,7 +11,8 @@ Types use the names of TensorRT's autotune grammar. The activations of one call 
 values and gates, and the outputs derived from them) share one type, FP32, FP16 or BF16, as the kernels assume;
 positions, row ids and top-k picks are INT64; the attention sink and the indexer's head weights are FP32, as the
 model keeps them whatever the activation type (FP32_PARAMETERS and `weights_proj(x).float()` in builder/model);
-so are the routing weights, the quantized experts' scales and the experts' sum; the experts' stored bytes are INT8.
+so are the routing weights, FP8 experts' scales and the experts' sum; the experts' stored bytes are INT8, and so
+are MXFP4 experts' E8M0 scale bytes (2^(e-127), decoded in the kernels: held as stored).
 """
 from __future__ import annotations
 
@@ -149,4 +150,5 @@ def _experts_dims(shapes: Sequence[Shape]) -> dict[str, Dim]:
 
 _ROUTING = (ACT, I64, F32)                 # x, indices, weights
 ROUTED_EXPERTS = OpShapes(_ROUTING + (ACT,) * 3, (F32,), _like_x_fp32, _experts_dims, static=())
-QUANTIZED_ROUTED_EXPERTS = OpShapes(_ROUTING + (I8, F32) * 3, (F32,), _like_x_fp32, _experts_dims, static=())
+FP8_ROUTED_EXPERTS = OpShapes(_ROUTING + (I8, F32) * 3, (F32,), _like_x_fp32, _experts_dims, static=())
+MXFP4_ROUTED_EXPERTS = OpShapes(_ROUTING + (I8, I8) * 3, (F32,), _like_x_fp32, _experts_dims, static=())

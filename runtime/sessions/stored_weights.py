@@ -48,7 +48,8 @@ DOMAIN = "v4engine.cpu"
 SOURCE = Path(__file__).with_name("stored_weights.cc")
 HEADERS = "V4ENGINE_ORT_INCLUDE"        # the folder of onnxruntime_cxx_api.h (default: sys.prefix/include/onnxruntime)
 CACHE_DIR = "V4ENGINE_CACHE_DIR"        # where the compiled library is kept (default ~/.cache/v4engine)
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC", "-shared", "-fvisibility=hidden")
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC", "-shared", "-fvisibility=hidden",
+         "-Wno-psabi")                   # the ABI note for 64-byte vectors without AVX-512: internal functions only
 LANES = 16                              # columns the kernels widen at once: an FP8 scale block must hold whole ones
 SMALLEST = 1 << 18                      # weights a projection needs for its kernel: below 256K (1 MiB as float32, half
                                         # a core's L2 here; tiny-v4's projections, not its head) MLAS over float32 is
@@ -104,7 +105,8 @@ def _compile(compiler: str, include: Path, key: str) -> Path | str:
     with tempfile.TemporaryDirectory(dir=folder) as tmp:         # compiled aside, then renamed: atomic for readers
         built = Path(tmp) / target.name
         run = subprocess.run([compiler, *FLAGS, f"-I{include}", str(SOURCE), "-o", str(built)],
-                             capture_output=True, text=True)
+                             capture_output=True, encoding="utf-8", errors="replace")    # (GCC quotes in UTF-8,
+                                                                                         # whatever the locale)
         if run.returncode != 0:
             return f"{compiler} could not compile {SOURCE.name}: {(run.stderr.strip().splitlines() or ['?'])[0]}"
         os.replace(built, target)
